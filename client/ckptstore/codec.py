@@ -1,0 +1,274 @@
+"""Chunk codec: residuals against the previous checkpoint, byte planes, zstandard.
+
+A tensor travels and is stored in chunks of a few MiB. Each chunk is encoded on its own,
+optionally against its *base*: the same bytes (same tensor name, dtype, shape, offset) in the
+parent checkpoint. The encoder tries:
+
+* ``ref`` -- the chunk equals its base: nothing is stored;
+* ``sub`` -- integer subtraction of the raw bit patterns (``raw - base`` as unsigned ints of the
+  element size, wrapping), which keeps slowly moving floats' high bytes near zero;
+* ``xor`` -- ``raw ^ base``;
+* ``none`` -- no delta;
+
+then splits the residual into byte planes (plane *i* holds byte *i* of every element, so the
+sign/exponent bytes of floats sit together) and compresses each plane with zstd, or stores the
+plane raw when it does not compress (the low mantissa bytes of trained floats are noise:
+compressing them wastes CPU). Mode and per-plane choices are made on a sample of the chunk, then
+the whole chunk is encoded once. If the result is not smaller than the input, the chunk is
+stored ``raw``.
+
+Codec specs are versioned strings recorded with every chunk, e.g. ``sub/1|planes4/1|zstd/1``.
+Payload of a planes codec: ``u8 count`` then per plane ``u8 kind (0 raw, 1 zstd), u32 length``
+(little-endian), then the plane payloads back to back.
+
+Every chunk carries the xxh3-128 of its raw bytes; :func:`decode_chunk` verifies it and raises
+:class:`~ckptstore.errors.CorruptData` on a mismatch. Pure numpy + zstandard: no torch.
+zstandard contexts are not thread-safe, so each thread gets its own.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+import zstandard
+
+from ckptstore.errors import CorruptData
+
+__all__ = [
+    "Buffer",
+    "EncodedChunk",
+    "checksum",
+    "chunk_step",
+    "decode_chunk",
+    "encode_chunk",
+]
+
+Buffer = bytes | bytearray | memoryview
+
+REF = "ref"
+RAW = "raw/1"
+_MODES = ("none", "sub", "xor")
+_UINT = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_PLANE_RAW, _PLANE_ZSTD = 0, 1
+# A plane is stored raw unless zstd gets it below this fraction of its size.
+_PLANE_GAIN = 0.95
+# Chunks above this size choose their mode and planes on a sample of this many bytes.
+_SAMPLE_BYTES = 128 << 10
+_SAMPLE_WINDOWS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedChunk:
+    codec: str
+    payload: bytes  # empty for ref
+    checksum: bytes  # xxh3-128 of the raw bytes, 16 bytes big-endian
+
+
+def checksum(data: Buffer) -> bytes:
+    return xxhash.xxh3_128_digest(data)
+
+
+def chunk_step(itemsize: int, chunk_bytes: int) -> int:
+    """Chunk length for a tensor: ``chunk_bytes`` rounded down to whole elements.
+
+    A tensor of ``n`` bytes is split into chunks ``[k * step, min((k + 1) * step, n))``.
+    """
+    return max(itemsize, chunk_bytes - chunk_bytes % itemsize)
+
+
+_local = threading.local()
+
+
+def _cctx(level: int) -> zstandard.ZstdCompressor:
+    cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("c", {})
+    ctx = cache.get(level)
+    if ctx is None:
+        ctx = cache[level] = zstandard.ZstdCompressor(level=level)
+    return ctx
+
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    ctx: zstandard.ZstdDecompressor | None = _local.__dict__.get("d")
+    if ctx is None:
+        ctx = _local.d = zstandard.ZstdDecompressor()
+    return ctx
+
+
+def _residual(mode: str, raw: np.ndarray, base: np.ndarray | None) -> np.ndarray:
+    """``raw`` and ``base`` are unsigned-int views of the same length."""
+    if mode == "none" or base is None:
+        return raw
+    if mode == "sub":
+        return np.subtract(raw, base)  # unsigned: wraps modulo 2**bits
+    return np.bitwise_xor(raw, base)
+
+
+def _planes(values: np.ndarray, itemsize: int) -> list[np.ndarray]:
+    if itemsize == 1:
+        return [values.view(np.uint8)]
+    shuffled = values.view(np.uint8).reshape(-1, itemsize).T.copy()
+    return list(shuffled)
+
+
+def _sample(arr: np.ndarray, count: int) -> np.ndarray:
+    """``count`` elements taken from a few windows spread over ``arr``."""
+    if len(arr) <= 2 * count:
+        return arr
+    window = count // _SAMPLE_WINDOWS
+    stride = (len(arr) - window) // (_SAMPLE_WINDOWS - 1)
+    return np.concatenate([arr[i * stride : i * stride + window] for i in range(_SAMPLE_WINDOWS)])
+
+
+def _plane_sizes(planes: Sequence[np.ndarray], level: int) -> list[int]:
+    """Stored size of each plane: compressed when it pays, else raw."""
+    cctx = _cctx(level)
+    sizes = []
+    for plane in planes:
+        n = len(cctx.compress(plane))
+        sizes.append(n if n < _PLANE_GAIN * len(plane) else len(plane))
+    return sizes
+
+
+def _choose(
+    raw: np.ndarray, base: np.ndarray | None, itemsize: int, level: int
+) -> tuple[str, list[bool]]:
+    """Pick the residual mode and which planes to compress, on a sample."""
+    count = max(1, _SAMPLE_BYTES // itemsize)
+    raw_s = _sample(raw, count)
+    base_s = None if base is None else _sample(base, count)
+    best: tuple[int, str, list[bool]] | None = None
+    for mode in _MODES if base is not None else ("none",):
+        planes = _planes(_residual(mode, raw_s, base_s), itemsize)
+        sizes = _plane_sizes(planes, level)
+        total = sum(sizes)
+        if best is None or total < best[0]:
+            best = (total, mode, [s < len(p) for s, p in zip(sizes, planes, strict=True)])
+    assert best is not None
+    return best[1], best[2]
+
+
+def encode_chunk(
+    raw: Buffer, base: Buffer | None, itemsize: int, level: int = 3, *, delta: bool = True
+) -> EncodedChunk:
+    """Encode one chunk of a tensor with elements of ``itemsize`` bytes.
+
+    ``base`` is the same chunk of the parent checkpoint (same length) or None. With
+    ``delta=False`` the base is only used to detect an unchanged chunk (``ref``): a changed
+    chunk is then encoded on its own, which is how keyframes cut a chain.
+    """
+    digest = checksum(raw)
+    if len(raw) % itemsize:
+        raise ValueError(f"chunk of {len(raw)} bytes is not a whole number of {itemsize}-byte items")
+    if base is not None and len(base) != len(raw):
+        raise ValueError("base chunk length differs from the chunk")
+    if base is not None and memoryview(raw).cast("B") == memoryview(base).cast("B"):
+        return EncodedChunk(REF, b"", digest)
+    if not len(raw):
+        return EncodedChunk(RAW, b"", digest)
+    if not delta:
+        base = None
+    uint = _UINT[itemsize]
+    raw_v = np.frombuffer(raw, dtype=uint)
+    base_v = None if base is None else np.frombuffer(base, dtype=uint)
+    mode, compress = _choose(raw_v, base_v, itemsize, level)
+    planes = _planes(_residual(mode, raw_v, base_v), itemsize)
+    cctx = _cctx(level)
+    table = [struct.pack("<B", len(planes))]
+    bodies: list[Buffer] = []
+    for plane, want in zip(planes, compress, strict=True):
+        body: Buffer = plane.data
+        kind = _PLANE_RAW
+        if want:
+            packed = cctx.compress(plane)
+            if len(packed) < len(plane):
+                body, kind = packed, _PLANE_ZSTD
+        table.append(struct.pack("<BI", kind, len(body)))
+        bodies.append(body)
+    payload = b"".join(table + bodies)
+    if len(payload) >= len(raw):
+        return EncodedChunk(RAW, bytes(raw), digest)
+    return EncodedChunk(f"{mode}/1|planes{len(planes)}/1|zstd/1", payload, digest)
+
+
+def _parse_codec(codec: str, itemsize: int) -> str:
+    parts = codec.split("|")
+    if (
+        len(parts) != 3
+        or parts[0].split("/")[0] not in _MODES
+        or parts[0].split("/")[1:] != ["1"]
+        or parts[1] not in (f"planes{itemsize}/1", "planes1/1")
+        or parts[2] != "zstd/1"
+    ):
+        raise CorruptData(f"unknown codec spec {codec!r} for {itemsize}-byte items")
+    return parts[0].split("/")[0]
+
+
+def decode_chunk(
+    codec: str,
+    payload: Buffer,
+    base: Buffer | None,
+    itemsize: int,
+    raw_len: int,
+    expected: bytes,
+) -> bytes:
+    """Inverse of :func:`encode_chunk`; verifies the raw checksum. ``base`` as when encoded."""
+    if codec == REF:
+        if base is None:
+            raise CorruptData("ref chunk without a base")
+        out = bytes(base)
+    elif codec == RAW:
+        out = bytes(payload)
+    else:
+        mode = _parse_codec(codec, itemsize)
+        out = _decode_planes(mode, memoryview(payload), base, itemsize, raw_len)
+    if len(out) != raw_len:
+        raise CorruptData(f"chunk decoded to {len(out)} bytes, expected {raw_len}")
+    if checksum(out) != expected:
+        raise CorruptData("chunk checksum mismatch: stored data is corrupt")
+    return out
+
+
+def _decode_planes(
+    mode: str, payload: memoryview, base: Buffer | None, itemsize: int, raw_len: int
+) -> bytes:
+    try:
+        (count,) = struct.unpack_from("<B", payload, 0)
+        entries = [struct.unpack_from("<BI", payload, 1 + 5 * i) for i in range(count)]
+    except struct.error as exc:
+        raise CorruptData(f"truncated plane table: {exc}") from exc
+    n = raw_len // (itemsize if count > 1 else 1)
+    if count not in (1, itemsize):
+        raise CorruptData(f"{count} planes for {itemsize}-byte items")
+    pos = 1 + 5 * count
+    dctx = _dctx()
+    shuffled = np.empty((count, n), dtype=np.uint8)
+    for i, (kind, length) in enumerate(entries):
+        body = payload[pos : pos + length]
+        pos += length
+        if len(body) != length:
+            raise CorruptData("truncated plane payload")
+        try:
+            data = dctx.decompress(body, max_output_size=n) if kind == _PLANE_ZSTD else body
+        except zstandard.ZstdError as exc:
+            raise CorruptData(f"zstd plane does not decode: {exc}") from exc
+        if len(data) != n:
+            raise CorruptData(f"plane {i} holds {len(data)} bytes, expected {n}")
+        shuffled[i] = np.frombuffer(data, dtype=np.uint8)
+    values = shuffled.T.copy() if count > 1 else shuffled[0]
+    uint = _UINT[itemsize]
+    residual = values.reshape(-1).view(uint)
+    if mode == "none":
+        return residual.tobytes()
+    if base is None:
+        raise CorruptData(f"{mode} chunk without a base")
+    base_v = np.frombuffer(base, dtype=uint)
+    if len(base_v) != len(residual):
+        raise CorruptData("base chunk length differs from the chunk")
+    if mode == "sub":
+        return np.add(residual, base_v).tobytes()
+    return np.bitwise_xor(residual, base_v).tobytes()

@@ -1,0 +1,126 @@
+"""The one error tree shared by the service (which raises) and the client (which re-raises).
+
+Every error has a stable ``code`` (what goes on the wire) and an HTTP ``status``. The service
+renders it as ``{"error": {"code": ..., "message": ...}}``; the client maps the code back to
+the same class, so ``except CheckpointNotFound`` works on both sides of the wire.
+
+    CkptStoreError
+    ├── InvalidRequest            400 invalid_request   bad run name, bad step, bad query
+    ├── InvalidStream             400 invalid_stream    malformed safetensors body
+    │   └── UnsupportedDtype      400 unsupported_dtype dtype outside the table in wire.py
+    ├── NotFound                  404 not_found         unknown route
+    │   ├── RunNotFound           404 run_not_found
+    │   └── CheckpointNotFound    404 checkpoint_not_found
+    ├── CheckpointExists          409 checkpoint_exists same step, different content
+    ├── PayloadTooLarge           413 payload_too_large header or body over the limits
+    ├── CorruptData               500 corrupt_data      checksum mismatch on read
+    ├── InternalError             500 internal_error    a bug: anything not translated
+    └── StorageUnavailable        503 storage_unavailable blob store or database unreachable
+
+This module is stdlib-only: the service imports it without pulling torch.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointExists",
+    "CheckpointNotFound",
+    "CkptStoreError",
+    "CorruptData",
+    "InternalError",
+    "InvalidRequest",
+    "InvalidStream",
+    "NotFound",
+    "PayloadTooLarge",
+    "RunNotFound",
+    "StorageUnavailable",
+    "UnsupportedDtype",
+    "error_from_code",
+]
+
+
+class CkptStoreError(Exception):
+    """Base of every ckptstore error. ``code`` is stable; ``status`` is the HTTP status."""
+
+    code = "error"
+    status = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def to_json(self) -> dict[str, dict[str, str]]:
+        return {"error": {"code": self.code, "message": self.message}}
+
+
+class InvalidRequest(CkptStoreError):
+    code = "invalid_request"
+    status = 400
+
+
+class InvalidStream(CkptStoreError):
+    code = "invalid_stream"
+    status = 400
+
+
+class UnsupportedDtype(InvalidStream):
+    code = "unsupported_dtype"
+
+
+class NotFound(CkptStoreError):
+    code = "not_found"
+    status = 404
+
+
+class RunNotFound(NotFound):
+    code = "run_not_found"
+
+
+class CheckpointNotFound(NotFound):
+    code = "checkpoint_not_found"
+
+
+class CheckpointExists(CkptStoreError):
+    code = "checkpoint_exists"
+    status = 409
+
+
+class PayloadTooLarge(CkptStoreError):
+    code = "payload_too_large"
+    status = 413
+
+
+class CorruptData(CkptStoreError):
+    code = "corrupt_data"
+    status = 500
+
+
+class InternalError(CkptStoreError):
+    code = "internal_error"
+    status = 500
+
+
+class StorageUnavailable(CkptStoreError):
+    code = "storage_unavailable"
+    status = 503
+
+
+def _all_subclasses(cls: type[CkptStoreError]) -> list[type[CkptStoreError]]:
+    out = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+_BY_CODE = {cls.code: cls for cls in _all_subclasses(CkptStoreError)}
+
+
+def error_from_code(code: str, message: str, status: int) -> CkptStoreError:
+    """The exception for a wire ``code``; an unknown code keeps its status on the base class."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        err = CkptStoreError(f"[{code}] {message}")
+        err.status = status
+        return err
+    return cls(message)

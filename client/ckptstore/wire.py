@@ -1,0 +1,281 @@
+"""Streaming safetensors framing (stdlib only).
+
+A checkpoint travels as one safetensors file, both as the POST body and the GET response::
+
+    u64 little-endian N | N bytes of JSON header (space-padded to 8) | tensor bytes
+
+The header maps each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}``
+(offsets relative to the first byte after the header) plus ``"__metadata__"``: a str -> str
+map holding ``"format": "ckptstore/1"`` and ``"skeleton"`` (the tagged JSON of the nested
+state). Tensors are laid out back to back in header order, no gaps, no overlap.
+
+``encode_header`` computes a header from dtypes and shapes before any data exists, so a writer
+can stream; ``StreamParser`` is a push parser (sans-IO): feed it bytes as they arrive and it
+hands back validated pieces of tensor data, so the same code serves the sync client and the
+service without ever holding a whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from ckptstore.errors import InvalidStream, PayloadTooLarge, UnsupportedDtype
+
+__all__ = [
+    "DTYPE_SIZES",
+    "FORMAT",
+    "Header",
+    "StreamParser",
+    "TensorPiece",
+    "TensorSpec",
+    "encode_header",
+    "tensor_nbytes",
+]
+
+FORMAT = "ckptstore/1"
+
+#: safetensors dtype code -> element size in bytes. The only dtypes that travel.
+DTYPE_SIZES: Mapping[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+_MAX_DIMS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One tensor's place in the stream: bytes ``[begin, end)`` after the header."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    tensors: tuple[TensorSpec, ...]  # in data order
+    metadata: Mapping[str, str]
+    header_len: int  # the 8-byte length prefix plus the JSON
+
+    @property
+    def data_len(self) -> int:
+        return self.tensors[-1].end if self.tensors else 0
+
+    @property
+    def total_len(self) -> int:
+        return self.header_len + self.data_len
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPiece:
+    """Bytes ``[offset, offset + len(data))`` of tensor ``index`` (relative to the tensor)."""
+
+    index: int
+    offset: int
+    data: memoryview
+
+
+def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
+    size = DTYPE_SIZES.get(dtype)
+    if size is None:
+        raise UnsupportedDtype(f"unsupported dtype {dtype!r}; known: {', '.join(DTYPE_SIZES)}")
+    return size * math.prod(shape)
+
+
+def encode_header(
+    tensors: Sequence[tuple[str, str, Sequence[int]]], metadata: Mapping[str, str]
+) -> tuple[bytes, Header]:
+    """Frame ``(name, dtype, shape)`` tensors laid out in order; returns the prefix bytes."""
+    obj: dict[str, object] = {"__metadata__": dict(metadata)}
+    specs = []
+    offset = 0
+    for name, dtype, shape in tensors:
+        if name == "__metadata__" or name in obj:
+            raise ValueError(f"duplicate or reserved tensor name {name!r}")
+        end = offset + tensor_nbytes(dtype, shape)
+        obj[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, end]}
+        specs.append(TensorSpec(name, dtype, tuple(shape), offset, end))
+        offset = end
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # safetensors aligns the data section to 8 bytes
+    prefix = struct.pack("<Q", len(text)) + text
+    return prefix, Header(tuple(specs), dict(metadata), len(prefix))
+
+
+def _as_int(value: object, what: str) -> int:
+    if type(value) is not int or value < 0:
+        raise InvalidStream(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _parse_header_json(raw: bytes, header_len: int) -> Header:
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidStream(f"header is not valid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise InvalidStream("header must be a JSON object")
+    meta = obj.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise InvalidStream("__metadata__ must map strings to strings")
+    specs = []
+    for name, info in obj.items():
+        if not name:
+            raise InvalidStream("empty tensor name")
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise InvalidStream(f"tensor {name!r}: expected keys dtype, shape, data_offsets")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(dtype, str):
+            raise InvalidStream(f"tensor {name!r}: dtype must be a string")
+        if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
+            raise InvalidStream(f"tensor {name!r}: shape must be a list of at most 64 dims")
+        dims = tuple(_as_int(d, f"tensor {name!r}: dimension") for d in shape)
+        if not isinstance(offsets, list) or len(offsets) != 2:
+            raise InvalidStream(f"tensor {name!r}: data_offsets must be [begin, end]")
+        begin = _as_int(offsets[0], f"tensor {name!r}: data_offsets")
+        end = _as_int(offsets[1], f"tensor {name!r}: data_offsets")
+        expected = tensor_nbytes(dtype, dims)
+        if end - begin != expected:
+            raise InvalidStream(
+                f"tensor {name!r}: data_offsets span {end - begin} bytes but dtype {dtype} "
+                f"x shape {list(dims)} needs {expected}"
+            )
+        specs.append(TensorSpec(name, dtype, dims, begin, end))
+    specs.sort(key=lambda s: (s.begin, s.end))
+    position = 0
+    for spec in specs:
+        if spec.begin != position:
+            kind = "overlap" if spec.begin < position else "gap"
+            raise InvalidStream(f"tensor {spec.name!r}: data_offsets {kind} at byte {position}")
+        position = spec.end
+    return Header(tuple(specs), meta, header_len)
+
+
+class StreamParser:
+    """Push parser for a safetensors stream.
+
+    Call :meth:`feed` with each piece of bytes as it arrives; it yields the
+    :class:`Header` once (as soon as it is complete and valid), then :class:`TensorPiece`
+    objects in stream order. Call :meth:`close` at the end of the input: it raises
+    :class:`InvalidStream` if the stream stopped early. Bytes past the promised end raise
+    at once. Pieces are views into the fed buffer: copy them before feeding again.
+    """
+
+    def __init__(self, max_header_bytes: int = 100 << 20, max_total_bytes: int | None = None):
+        self._max_header = max_header_bytes
+        self._max_total = max_total_bytes
+        self._buf = bytearray()  # only holds the length prefix and the header
+        self._header_len: int | None = None
+        self.header: Header | None = None
+        self._pos = 0  # bytes of tensor data consumed
+        self._tensor = 0  # index of the tensor being filled
+
+    @property
+    def received(self) -> int:
+        """Bytes of the stream consumed so far (prefix + header + data)."""
+        if self.header is None:
+            return len(self._buf)
+        return self.header.header_len + self._pos
+
+    def feed(self, data: bytes | bytearray | memoryview) -> Iterator[Header | TensorPiece]:
+        view = memoryview(data).cast("B")
+        if self.header is None:
+            view = yield from self._feed_header(view)
+            if self.header is None:
+                return
+        header = self.header
+        while len(view):
+            if self._tensor >= len(header.tensors):
+                raise InvalidStream(
+                    f"body longer than the header promises ({header.total_len} bytes)"
+                )
+            spec = header.tensors[self._tensor]
+            take = min(len(view), spec.end - self._pos)
+            if take:
+                yield TensorPiece(self._tensor, self._pos - spec.begin, view[:take])
+                view = view[take:]
+                self._pos += take
+            if self._pos == spec.end:
+                self._tensor += 1
+                # skip empty tensors so that the "too long" check above sees the true end
+                while self._tensor < len(header.tensors) and not header.tensors[
+                    self._tensor
+                ].nbytes:
+                    self._tensor += 1
+
+    def _feed_header(self, view: memoryview) -> Iterator[Header]:
+        if self._header_len is None:
+            need = 8 - len(self._buf)
+            self._buf += view[:need]
+            view = view[need:]
+            if len(self._buf) < 8:
+                return view
+            (n,) = struct.unpack("<Q", self._buf)
+            if n > self._max_header:
+                raise PayloadTooLarge(
+                    f"header length {n} exceeds the limit of {self._max_header} bytes"
+                )
+            if n < 2:
+                raise InvalidStream(f"header length {n} is too small for a JSON object")
+            self._header_len = n
+            self._buf.clear()
+        need = self._header_len - len(self._buf)
+        self._buf += view[:need]
+        view = view[need:]
+        if len(self._buf) < self._header_len:
+            return view
+        header = _parse_header_json(bytes(self._buf), 8 + self._header_len)
+        if self._max_total is not None and header.total_len > self._max_total:
+            raise PayloadTooLarge(
+                f"checkpoint of {header.total_len} bytes exceeds the limit of "
+                f"{self._max_total} bytes"
+            )
+        self._buf = bytearray()
+        self._pos = 0
+        self.header = header
+        self._tensor = 0
+        while self._tensor < len(header.tensors) and not header.tensors[self._tensor].nbytes:
+            self._tensor += 1
+        yield header
+        return view
+
+    def close(self) -> Header:
+        """End of input: the header and every promised byte must have arrived."""
+        if self.header is None:
+            have = len(self._buf) + (8 if self._header_len is not None else 0)
+            raise InvalidStream(f"stream ended inside the header after {have} bytes")
+        if self._pos != self.header.data_len:
+            raise InvalidStream(
+                f"stream truncated: {self.received} of {self.header.total_len} bytes received"
+            )
+        return self.header

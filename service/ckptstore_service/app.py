@@ -1,0 +1,70 @@
+"""The FastAPI application factory."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ckptstore.errors import CkptStoreError, InternalError, InvalidRequest, NotFound
+from ckptstore_service.api.routes import router
+from ckptstore_service.runtime import Runtime
+from ckptstore_service.settings import Settings
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("ckptstore")
+
+
+def _error(exc: CkptStoreError) -> JSONResponse:
+    return JSONResponse(exc.to_json(), status_code=exc.status)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app; the runtime (catalog, store, cache, pools) opens in the lifespan."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runtime = await run_in_threadpool(Runtime.open, settings)
+        app.state.runtime = runtime
+        try:
+            yield
+        finally:
+            await run_in_threadpool(runtime.close)
+
+    app = FastAPI(title="ckptstore", version="0.1.0", lifespan=lifespan)
+    app.include_router(router)
+
+    @app.exception_handler(CkptStoreError)
+    async def on_domain_error(_: Request, exc: CkptStoreError) -> JSONResponse:
+        if exc.status >= 500:
+            log.error("%s: %s", exc.code, exc.message)
+        return _error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err: CkptStoreError = (
+            NotFound(f"no such resource: {exc.detail}")
+            if exc.status_code == 404
+            else InvalidRequest(str(exc.detail))
+        )
+        err.status = exc.status_code
+        return _error(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(InvalidRequest(f"invalid request: {exc.errors()}"))
+
+    @app.exception_handler(Exception)
+    async def on_bug(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return _error(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+
+    return app

@@ -1,0 +1,489 @@
+"""The catalog: the delta chain in SQL (SQLite by default, PostgreSQL in production).
+
+No HTTP and no blob I/O here. Every method opens a short transaction and returns plain frozen
+dataclasses, never ORM objects, so callers hold no session across a long upload.
+
+Writers to one run are serialized by :meth:`Catalog.run_lock`: a process-local lock, plus on
+PostgreSQL a session advisory lock on the run name, so replicas sharing the database queue up
+too. The lock is held for a whole upload; it is released by the database if the process dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, delete, event, func, insert, select, text, update
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.orm import Session, aliased, sessionmaker
+
+from ckptstore.errors import (
+    CheckpointExists,
+    CheckpointNotFound,
+    RunNotFound,
+    StorageUnavailable,
+)
+from ckptstore_service.catalog.models import (
+    COMMITTED,
+    WRITING,
+    Base,
+    Checkpoint,
+    Chunk,
+    Run,
+    TensorRow,
+)
+
+__all__ = [
+    "Catalog",
+    "CheckpointInfo",
+    "ChunkInfo",
+    "NewChunk",
+    "RunInfo",
+    "TensorInfo",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    id: int
+    run: str
+    step: int
+    parent_step: int | None
+    keyframe: bool
+    chain_depth: int
+    since_keyframe: int
+    raw_bytes: int
+    stored_bytes: int
+    tensors: int
+    blob_key: str
+    metadata: dict[str, str]
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    name: str
+    checkpoints: int
+    latest_step: int
+    raw_bytes: int
+    stored_bytes: int
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    idx: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    nbytes: int
+    checksum: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class NewChunk:
+    tensor_idx: int
+    offset: int
+    raw_len: int
+    itemsize: int
+    codec: str
+    base_id: int | None
+    depth: int
+    blob_offset: int
+    stored_len: int
+    checksum: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkInfo(NewChunk):
+    id: int
+    blob_key: str
+
+
+def _utc(value: datetime) -> datetime:
+    # SQLite hands back naive datetimes even for timezone-aware columns.
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+class Catalog:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.is_postgres = url.startswith("postgresql")
+        kwargs: dict[str, Any] = {"pool_pre_ping": True}
+        if url.startswith("sqlite"):
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 60}
+        else:
+            kwargs.update(pool_size=10, max_overflow=20)
+        try:
+            self.engine: Engine = create_engine(url, **kwargs)
+        except Exception as exc:  # a bad URL or a missing driver
+            raise ValueError(f"cannot use database URL {url!r}: {exc}") from exc
+        if url.startswith("sqlite"):
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def ping(self) -> None:
+        with self._session() as s:
+            s.execute(text("SELECT 1"))
+
+    def create_schema(self) -> None:
+        with self._translate():
+            Base.metadata.create_all(self.engine)
+
+    # -- sessions and locks --------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _translate(self) -> Iterator[None]:
+        try:
+            yield
+        except IntegrityError:
+            raise
+        except DBAPIError as exc:
+            if exc.connection_invalidated or _is_connection_error(exc):
+                raise StorageUnavailable(f"database unavailable: {exc.orig}") from exc
+            raise
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[Session]:
+        with self._translate(), self._sessions.begin() as session:
+            yield session
+
+    def _local_lock(self, run: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(run, threading.Lock())
+
+    @contextlib.contextmanager
+    def run_lock(self, run: str, *, blocking: bool = True) -> Iterator[bool]:
+        """Serialize writers of ``run`` (in this process and, on PostgreSQL, across replicas).
+
+        Yields True when the lock is held; with ``blocking=False`` yields False instead of
+        waiting when another writer holds it.
+        """
+        local = self._local_lock(run)
+        if not local.acquire(blocking=blocking):
+            yield False
+            return
+        try:
+            if not self.is_postgres:
+                yield True
+                return
+            key = int.from_bytes(hashlib.blake2b(run.encode(), digest_size=8).digest(), "big", signed=True)
+            with self._translate(), self.engine.connect() as conn:
+                if blocking:
+                    conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
+                    got = True
+                else:
+                    got = bool(
+                        conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar()
+                    )
+                conn.commit()
+                try:
+                    yield got
+                finally:
+                    if got:
+                        conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                        conn.commit()
+        finally:
+            local.release()
+
+    # -- runs and checkpoints ------------------------------------------------------------
+
+    def ensure_run(self, name: str) -> int:
+        with self._session() as s:
+            run_id = s.scalar(select(Run.id).where(Run.name == name))
+            if run_id is not None:
+                return run_id
+        try:
+            with self._session() as s:
+                return int(s.execute(insert(Run).values(name=name).returning(Run.id)).scalar_one())
+        except IntegrityError:  # another replica created it first
+            with self._session() as s:
+                return int(s.execute(select(Run.id).where(Run.name == name)).scalar_one())
+
+    def _info_query(self) -> Any:
+        parent = aliased(Checkpoint)
+        return (
+            select(Checkpoint, Run.name, parent.step)
+            .join(Run, Run.id == Checkpoint.run_id)
+            .outerjoin(parent, parent.id == Checkpoint.parent_id)
+            .where(Checkpoint.status == COMMITTED)
+        )
+
+    @staticmethod
+    def _info(row: Any) -> CheckpointInfo:
+        ck, run, parent_step = row
+        return CheckpointInfo(
+            id=ck.id,
+            run=run,
+            step=ck.step,
+            parent_step=parent_step,
+            keyframe=ck.keyframe,
+            chain_depth=ck.chain_depth,
+            since_keyframe=ck.since_keyframe,
+            raw_bytes=ck.raw_bytes,
+            stored_bytes=ck.stored_bytes,
+            tensors=ck.n_tensors,
+            blob_key=ck.blob_key,
+            metadata=json.loads(ck.metadata_json),
+            created_at=_utc(ck.created_at),
+        )
+
+    def find(self, run: str, step: int | None) -> CheckpointInfo | None:
+        """The committed checkpoint ``step`` of ``run`` (None: the latest), or None."""
+        query = self._info_query().where(Run.name == run)
+        query = (
+            query.order_by(Checkpoint.step.desc()).limit(1)
+            if step is None
+            else query.where(Checkpoint.step == step)
+        )
+        with self._session() as s:
+            row = s.execute(query).first()
+        return None if row is None else self._info(row)
+
+    def get(self, run: str, step: int | None) -> CheckpointInfo:
+        """Like :meth:`find` but raises RunNotFound / CheckpointNotFound."""
+        info = self.find(run, step)
+        if info is not None:
+            return info
+        if not self.run_exists(run):
+            raise RunNotFound(f"run {run!r} has no checkpoints")
+        what = "no checkpoints" if step is None else f"no checkpoint at step {step}"
+        raise CheckpointNotFound(f"run {run!r} has {what}")
+
+    def run_exists(self, run: str) -> bool:
+        query = (
+            select(func.count())
+            .select_from(Checkpoint)
+            .join(Run, Run.id == Checkpoint.run_id)
+            .where(Run.name == run, Checkpoint.status == COMMITTED)
+        )
+        with self._session() as s:
+            return bool(s.scalar(query))
+
+    def parent_of(self, run: str, step: int) -> CheckpointInfo | None:
+        """The committed checkpoint of ``run`` with the greatest step below ``step``."""
+        query = (
+            self._info_query()
+            .where(Run.name == run, Checkpoint.step < step)
+            .order_by(Checkpoint.step.desc())
+            .limit(1)
+        )
+        with self._session() as s:
+            row = s.execute(query).first()
+        return None if row is None else self._info(row)
+
+    def list_checkpoints(self, run: str) -> list[CheckpointInfo]:
+        query = self._info_query().where(Run.name == run).order_by(Checkpoint.step)
+        with self._session() as s:
+            rows = s.execute(query).all()
+        if not rows and not self.run_exists(run):
+            raise RunNotFound(f"run {run!r} has no checkpoints")
+        return [self._info(r) for r in rows]
+
+    def list_runs(self) -> list[RunInfo]:
+        query = (
+            select(
+                Run.name,
+                func.count(Checkpoint.id),
+                func.max(Checkpoint.step),
+                func.sum(Checkpoint.raw_bytes),
+                func.sum(Checkpoint.stored_bytes),
+                Run.created_at,
+            )
+            .join(Checkpoint, Checkpoint.run_id == Run.id)
+            .where(Checkpoint.status == COMMITTED)
+            .group_by(Run.id, Run.name, Run.created_at)
+            .order_by(Run.name)
+        )
+        with self._session() as s:
+            rows = s.execute(query).all()
+        return [
+            RunInfo(name, int(n), int(latest), int(raw), int(stored), _utc(created))
+            for name, n, latest, raw, stored, created in rows
+        ]
+
+    # -- the upload protocol: begin (writing) -> commit | abort ---------------------------
+
+    def begin_upload(self, run_id: int, step: int, blob_key: str) -> int:
+        """Record an upload in progress; its row names the blob for garbage collection."""
+        with self._session() as s:
+            return int(
+                s.execute(
+                    insert(Checkpoint)
+                    .values(run_id=run_id, step=step, status=WRITING, blob_key=blob_key)
+                    .returning(Checkpoint.id)
+                ).scalar_one()
+            )
+
+    def commit_upload(
+        self,
+        checkpoint_id: int,
+        *,
+        parent_id: int | None,
+        keyframe: bool,
+        chain_depth: int,
+        since_keyframe: int,
+        raw_bytes: int,
+        stored_bytes: int,
+        metadata: dict[str, str],
+        tensors: Sequence[TensorInfo],
+        chunks: Iterable[NewChunk],
+    ) -> None:
+        """Make the checkpoint visible: one transaction, after all its bytes are durable."""
+        tensor_rows = [
+            {
+                "checkpoint_id": checkpoint_id,
+                "idx": t.idx,
+                "name": t.name,
+                "dtype": t.dtype,
+                "shape": json.dumps(list(t.shape)),
+                "begin": t.begin,
+                "nbytes": t.nbytes,
+                "checksum": t.checksum,
+            }
+            for t in tensors
+        ]
+        chunk_rows = [
+            {"checkpoint_id": checkpoint_id, **{f: getattr(c, f) for f in NewChunk.__slots__}}
+            for c in chunks
+        ]
+        try:
+            with self._session() as s:
+                if tensor_rows:
+                    s.execute(insert(TensorRow), tensor_rows)
+                if chunk_rows:
+                    s.execute(insert(Chunk), chunk_rows)
+                s.execute(
+                    update(Checkpoint)
+                    .where(Checkpoint.id == checkpoint_id)
+                    .values(
+                        status=COMMITTED,
+                        parent_id=parent_id,
+                        keyframe=keyframe,
+                        chain_depth=chain_depth,
+                        since_keyframe=since_keyframe,
+                        raw_bytes=raw_bytes,
+                        stored_bytes=stored_bytes,
+                        n_tensors=len(tensor_rows),
+                        metadata_json=json.dumps(metadata),
+                        committed_at=datetime.now(UTC),
+                    )
+                )
+        except IntegrityError as exc:
+            raise CheckpointExists(f"checkpoint {checkpoint_id} was committed concurrently") from exc
+
+    def abort_upload(self, checkpoint_id: int) -> None:
+        with self._session() as s:
+            s.execute(
+                delete(Checkpoint).where(
+                    Checkpoint.id == checkpoint_id, Checkpoint.status == WRITING
+                )
+            )
+
+    def uploads_in_progress(self) -> list[tuple[int, str, str, datetime]]:
+        """``(checkpoint_id, run, blob_key, created_at)`` of every ``writing`` row."""
+        query = (
+            select(Checkpoint.id, Run.name, Checkpoint.blob_key, Checkpoint.created_at)
+            .join(Run, Run.id == Checkpoint.run_id)
+            .where(Checkpoint.status == WRITING)
+        )
+        with self._session() as s:
+            return [(i, r, k, _utc(c)) for i, r, k, c in s.execute(query).all()]
+
+    # -- tensors and chunks ---------------------------------------------------------------
+
+    def tensors(self, checkpoint_id: int) -> list[TensorInfo]:
+        query = (
+            select(TensorRow)
+            .where(TensorRow.checkpoint_id == checkpoint_id)
+            .order_by(TensorRow.idx)
+        )
+        with self._session() as s:
+            rows = s.scalars(query).all()
+        return [
+            TensorInfo(
+                r.idx, r.name, r.dtype, tuple(json.loads(r.shape)), r.begin, r.nbytes, r.checksum
+            )
+            for r in rows
+        ]
+
+    def _chunk_query(self) -> Any:
+        return select(Chunk, Checkpoint.blob_key).join(
+            Checkpoint, Checkpoint.id == Chunk.checkpoint_id
+        )
+
+    @staticmethod
+    def _chunk(row: Any) -> ChunkInfo:
+        c, blob_key = row
+        return ChunkInfo(
+            tensor_idx=c.tensor_idx,
+            offset=c.offset,
+            raw_len=c.raw_len,
+            itemsize=c.itemsize,
+            codec=c.codec,
+            base_id=c.base_id,
+            depth=c.depth,
+            blob_offset=c.blob_offset,
+            stored_len=c.stored_len,
+            checksum=c.checksum,
+            id=c.id,
+            blob_key=blob_key,
+        )
+
+    def chunks(self, checkpoint_id: int) -> list[ChunkInfo]:
+        query = (
+            self._chunk_query()
+            .where(Chunk.checkpoint_id == checkpoint_id)
+            .order_by(Chunk.tensor_idx, Chunk.offset)
+        )
+        with self._session() as s:
+            return [self._chunk(r) for r in s.execute(query).all()]
+
+    def chunks_by_id(self, ids: Iterable[int]) -> dict[int, ChunkInfo]:
+        wanted = sorted(set(ids))
+        out: dict[int, ChunkInfo] = {}
+        with self._session() as s:
+            for i in range(0, len(wanted), 500):
+                query = self._chunk_query().where(Chunk.id.in_(wanted[i : i + 500]))
+                out.update((c.id, c) for c in map(self._chunk, s.execute(query).all()))
+        return out
+
+    def chunk_closure(self, chunks: Iterable[ChunkInfo]) -> dict[int, ChunkInfo]:
+        """``chunks`` plus every chunk their chains reach, by id."""
+        known = {c.id: c for c in chunks}
+        missing = {c.base_id for c in known.values() if c.base_id is not None} - known.keys()
+        while missing:
+            found = self.chunks_by_id(missing)
+            if len(found) != len(missing):
+                raise RuntimeError(f"catalog lost chunks {sorted(missing - found.keys())[:5]}")
+            known.update(found)
+            missing = {c.base_id for c in found.values() if c.base_id is not None} - known.keys()
+        return known
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=FULL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA busy_timeout=60000")
+    cur.close()
+
+
+def _is_connection_error(exc: DBAPIError) -> bool:
+    text_ = str(exc.orig).lower()
+    return any(
+        s in text_ for s in ("connection refused", "could not connect", "server closed", "timeout")
+    )

@@ -1,0 +1,112 @@
+"""SQLAlchemy 2.0 models of the catalog: runs, checkpoints, tensors, chunks.
+
+A checkpoint row is inserted as ``writing`` before its bytes are uploaded (so a crashed upload
+leaves a row that names its orphaned blob) and flipped to ``committed`` in the same transaction
+that inserts its tensors and chunks. Only committed rows are ever visible through the API. The
+``(run_id, step)`` uniqueness holds among committed rows only, so a retry can start while a
+dead upload's ``writing`` row still waits for garbage collection.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+__all__ = ["Base", "Checkpoint", "Chunk", "Run", "TensorRow"]
+
+WRITING = "writing"
+COMMITTED = "committed"
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        Index(
+            "uq_checkpoints_run_step_committed",
+            "run_id",
+            "step",
+            unique=True,
+            sqlite_where=text("status = 'committed'"),
+            postgresql_where=text("status = 'committed'"),
+        ),
+        Index("ix_checkpoints_status", "status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(String(16), default=WRITING)
+    parent_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"), nullable=True)
+    blob_key: Mapped[str] = mapped_column(String(512))
+    keyframe: Mapped[bool] = mapped_column(Boolean, default=False)
+    chain_depth: Mapped[int] = mapped_column(Integer, default=0)
+    since_keyframe: Mapped[int] = mapped_column(Integer, default=0)
+    raw_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    n_tensors: Mapped[int] = mapped_column(Integer, default=0)
+    metadata_json: Mapped[str] = mapped_column(Text, default="{}")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
+    committed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class TensorRow(Base):
+    __tablename__ = "tensors"
+    __table_args__ = (Index("ix_tensors_checkpoint", "checkpoint_id", "idx", unique=True),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
+    idx: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(Text)
+    dtype: Mapped[str] = mapped_column(String(16))
+    shape: Mapped[str] = mapped_column(Text)  # JSON list
+    begin: Mapped[int] = mapped_column(BigInteger)  # offset in the data section
+    nbytes: Mapped[int] = mapped_column(BigInteger)
+    checksum: Mapped[bytes] = mapped_column(LargeBinary(16))  # xxh3-128 of the whole tensor
+
+
+class Chunk(Base):
+    __tablename__ = "chunks"
+    __table_args__ = (Index("ix_chunks_checkpoint", "checkpoint_id", "tensor_idx", "offset"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
+    tensor_idx: Mapped[int] = mapped_column(Integer)
+    offset: Mapped[int] = mapped_column(BigInteger)  # within the tensor
+    raw_len: Mapped[int] = mapped_column(BigInteger)
+    itemsize: Mapped[int] = mapped_column(Integer)
+    codec: Mapped[str] = mapped_column(String(64))
+    # The chunk this one is a delta of (or, for "ref", equal to); never itself a ref.
+    base_id: Mapped[int | None] = mapped_column(ForeignKey("chunks.id"), nullable=True)
+    depth: Mapped[int] = mapped_column(Integer, default=0)  # deltas to decode, 0 = self-contained
+    blob_offset: Mapped[int] = mapped_column(BigInteger)
+    stored_len: Mapped[int] = mapped_column(BigInteger)
+    checksum: Mapped[bytes] = mapped_column(LargeBinary(16))  # xxh3-128 of the raw bytes

@@ -1,0 +1,430 @@
+"""Save path: stream -> parse -> delta -> compress -> blob -> commit.
+
+:func:`ingest` runs in a worker thread and consumes the request body as an iterator of byte
+pieces (fed by the event loop through :class:`BodyPipe`). It never holds more than a few
+chunks: the body is parsed as it arrives, each full chunk is handed to the codec pool together
+with the location of its base in the parent's cached data, encoded chunks are appended in
+order to the checkpoint's blob by a writer thread, and the raw bytes are written to a new base
+cache file. After the last byte the blob is finished (durable) and one transaction commits the
+checkpoint. Any failure aborts the blob, discards the cache file and deletes the ``writing``
+row, so nothing becomes visible.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import uuid
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import xxhash
+
+from ckptstore import codec
+from ckptstore.errors import CheckpointExists, InvalidStream
+from ckptstore.wire import Header, StreamParser, TensorPiece
+from ckptstore_service.catalog import CheckpointInfo, NewChunk, TensorInfo
+from ckptstore_service.restore import materialize
+from ckptstore_service.runtime import Runtime
+from ckptstore_service.storage import BlobStore
+
+__all__ = ["BodyPipe", "ingest"]
+
+_END = object()
+
+
+class BodyPipe:
+    """Bounded hand-off of body pieces from the event loop (producer) to the ingest thread.
+
+    The producer calls :meth:`put` (blocking: run it in a thread when :meth:`full`),
+    :meth:`finish` or :meth:`fail`. The consumer iterates; when it stops early it calls
+    :meth:`close`, after which :meth:`put` returns False so the producer stops reading.
+    """
+
+    def __init__(self, maxsize: int = 8) -> None:
+        self._q: queue.Queue[object] = queue.Queue(maxsize)
+        self._closed = threading.Event()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def full(self) -> bool:
+        return self._q.full()
+
+    def offer(self, piece: object) -> bool:
+        """Put without blocking; False when the queue is full or the consumer is gone."""
+        if self._closed.is_set():
+            return False
+        try:
+            self._q.put_nowait(piece)
+            return True
+        except queue.Full:
+            return False
+
+    def put(self, piece: object) -> bool:
+        while not self._closed.is_set():
+            try:
+                self._q.put(piece, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def finish(self) -> None:
+        self.put(_END)
+
+    def fail(self, exc: BaseException) -> None:
+        self.put(exc)
+
+    def close(self) -> None:
+        self._closed.set()
+        while True:  # unblock a producer waiting on a full queue
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                return
+
+    def __iter__(self) -> Iterator[bytes]:
+        while True:
+            item = self._q.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, bytes | bytearray | memoryview)
+            yield bytes(item) if isinstance(item, memoryview) else item  # type: ignore[misc]
+
+
+def read_header(parser: StreamParser, body: Iterator[bytes]) -> tuple[Header, list[TensorPiece]]:
+    """Feed ``body`` until the header is parsed; returns it with any tensor pieces after it."""
+    for data in body:
+        events = list(parser.feed(data))
+        if events:
+            header = events[0]
+            assert isinstance(header, Header)
+            pieces = [e for e in events[1:] if isinstance(e, TensorPiece)]
+            # copy: the pieces view ``data``, which the caller does not keep alive
+            return header, [TensorPiece(p.index, p.offset, memoryview(bytes(p.data))) for p in pieces]
+    parser.close()  # raises: the stream ended inside the header
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True, slots=True)
+class _BaseChunk:
+    chunk_id: int  # a non-ref chunk (refs point straight at what they equal)
+    depth: int
+    file_offset: int  # of the chunk's raw bytes in the base cache file
+
+
+def _base_index(
+    rt: Runtime, parent: CheckpointInfo
+) -> dict[tuple[str, str, tuple[int, ...], int, int], _BaseChunk]:
+    """Where each chunk of the parent lives: keyed by (name, dtype, shape, offset, length)."""
+    tensors = {t.idx: t for t in rt.catalog.tensors(parent.id)}
+    index = {}
+    for c in rt.catalog.chunks(parent.id):
+        t = tensors[c.tensor_idx]
+        target = c.base_id if c.codec == codec.REF else c.id
+        assert target is not None
+        index[(t.name, t.dtype, t.shape, c.offset, c.raw_len)] = _BaseChunk(
+            target, c.depth, t.begin + c.offset
+        )
+    return index
+
+
+class _BlobWriter:
+    """Runs ``store.put_stream`` in its own thread, fed through a bounded queue."""
+
+    def __init__(self, store: BlobStore, key: str) -> None:
+        self._q: queue.Queue[object] = queue.Queue(4)
+        self._result: int | BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(store, key), daemon=True)
+        self._thread.start()
+
+    def _pieces(self) -> Iterator[bytes]:
+        while True:
+            item = self._q.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, bytes)
+            yield item
+
+    def _run(self, store: BlobStore, key: str) -> None:
+        try:
+            self._result = store.put_stream(key, self._pieces())
+        except BaseException as exc:
+            self._result = exc
+
+    def _put(self, item: object) -> None:
+        while self._thread.is_alive():
+            try:
+                self._q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+        self._raise()
+
+    def _raise(self) -> None:
+        if isinstance(self._result, BaseException):
+            raise self._result
+
+    def write(self, data: bytes) -> None:
+        if data:
+            self._put(data)
+
+    def finish(self) -> int:
+        self._put(_END)
+        self._thread.join()
+        self._raise()
+        assert isinstance(self._result, int)
+        return self._result
+
+    def abort(self) -> None:
+        if self._thread.is_alive():
+            self._put(InvalidStream("upload aborted"))
+            self._thread.join()
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    tensor_idx: int
+    offset: int
+    raw_len: int
+    itemsize: int
+    base: _BaseChunk | None
+    future: Future[codec.EncodedChunk]
+
+
+def _rebuild_base(rt: Runtime, run: str, parent: CheckpointInfo) -> int:
+    """Decode the parent from storage into a cache file (a base-cache miss); returns its fd.
+
+    The file is installed in the cache only if the parent is still the run's latest; the fd
+    stays readable either way.
+    """
+    tmp = rt.cache.new_file()
+    try:
+        materialize(rt, parent, tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+    except BaseException:
+        rt.cache.discard(tmp)
+        raise
+    latest = rt.catalog.find(run, None)
+    if latest is not None and latest.id == parent.id:
+        rt.cache.install(run, parent.id, tmp)
+    else:
+        rt.cache.discard(tmp)
+    return fd
+
+
+def _encode_job(
+    raw: bytearray,
+    itemsize: int,
+    level: int,
+    base_fd: int | None,
+    base: _BaseChunk | None,
+    delta: bool,
+    cache_fd: int,
+    cache_offset: int,
+) -> codec.EncodedChunk:
+    base_bytes = None
+    if base is not None and base_fd is not None:
+        base_bytes = os.pread(base_fd, len(raw), base.file_offset)
+        if len(base_bytes) != len(raw):
+            raise RuntimeError("base cache file is shorter than the catalog says")
+    os.pwrite(cache_fd, raw, cache_offset)
+    return codec.encode_chunk(raw, base_bytes, itemsize, level, delta=delta)
+
+
+def ingest(
+    rt: Runtime, run: str, step: int, body: Iterable[bytes], content_length: int | None
+) -> tuple[CheckpointInfo, bool]:
+    """Store one checkpoint from a safetensors stream; returns (info, created).
+
+    ``created`` is False when the same step already holds identical content (an idempotent
+    retry); different content raises CheckpointExists.
+    """
+    s = rt.settings
+    parser = StreamParser(s.max_header_bytes, s.max_upload_bytes)
+    it = iter(body)
+    header, first = read_header(parser, it)
+    if content_length is not None and content_length != header.total_len:
+        raise InvalidStream(
+            f"Content-Length {content_length} disagrees with the header, which describes "
+            f"{header.total_len} bytes"
+        )
+    with rt.catalog.run_lock(run):
+        existing = rt.catalog.find(run, step)
+        if existing is not None:
+            return _verify_existing(rt, existing, parser, header, first, it), False
+        return _store(rt, run, step, parser, header, first, it), True
+
+
+def _tensor_stream(
+    parser: StreamParser, first: list[TensorPiece], it: Iterator[bytes]
+) -> Iterator[TensorPiece]:
+    yield from first
+    for data in it:
+        for event in parser.feed(data):
+            assert isinstance(event, TensorPiece)
+            yield event
+    parser.close()
+
+
+def _verify_existing(
+    rt: Runtime,
+    existing: CheckpointInfo,
+    parser: StreamParser,
+    header: Header,
+    first: list[TensorPiece],
+    it: Iterator[bytes],
+) -> CheckpointInfo:
+    stored = rt.catalog.tensors(existing.id)
+    same_layout = existing.metadata == header.metadata and [
+        (t.name, t.dtype, t.shape) for t in stored
+    ] == [(t.name, t.dtype, t.shape) for t in header.tensors]
+    hashers = [xxhash.xxh3_128() for _ in header.tensors]
+    for piece in _tensor_stream(parser, first, it):
+        hashers[piece.index].update(piece.data)
+    if same_layout and [h.digest() for h in hashers] == [t.checksum for t in stored]:
+        return existing
+    raise CheckpointExists(
+        f"run {existing.run!r} already has a different checkpoint at step {existing.step}"
+    )
+
+
+def _store(
+    rt: Runtime,
+    run: str,
+    step: int,
+    parser: StreamParser,
+    header: Header,
+    first: list[TensorPiece],
+    it: Iterator[bytes],
+) -> CheckpointInfo:
+    s = rt.settings
+    parent = rt.catalog.parent_of(run, step)
+    keyframe = parent is None or parent.since_keyframe + 1 >= s.keyframe_interval
+    base_fd = None
+    index: dict[tuple[str, str, tuple[int, ...], int, int], _BaseChunk] = {}
+    if parent is not None:
+        index = _base_index(rt, parent)
+        base_fd = rt.cache.open(run, parent.id)
+        if base_fd is None:
+            base_fd = _rebuild_base(rt, run, parent)
+    run_id = rt.catalog.ensure_run(run)
+    blob_key = f"runs/{run}/{step}-{uuid.uuid4().hex}.blob"
+    checkpoint_id = rt.catalog.begin_upload(run_id, step, blob_key)
+    cache_tmp = rt.cache.new_file()
+    cache_fd = os.open(cache_tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    writer = _BlobWriter(rt.store, blob_key)
+    committed = False
+    pending: deque[_Pending] = deque()
+    try:
+        os.ftruncate(cache_fd, header.data_len)
+        chunks: list[NewChunk] = []
+        blob_offset = 0
+        max_pending = 2 * rt.workers + 2
+
+        def drain(limit: int) -> None:
+            nonlocal blob_offset
+            while len(pending) > limit:
+                p = pending.popleft()
+                enc = p.future.result()
+                base_id, depth = None, 0
+                if enc.codec == codec.REF or enc.codec.startswith(("sub/", "xor/")):
+                    assert p.base is not None
+                    base_id = p.base.chunk_id
+                    depth = p.base.depth + (enc.codec != codec.REF)
+                writer.write(enc.payload)
+                chunks.append(
+                    NewChunk(
+                        tensor_idx=p.tensor_idx,
+                        offset=p.offset,
+                        raw_len=p.raw_len,
+                        itemsize=p.itemsize,
+                        codec=enc.codec,
+                        base_id=base_id,
+                        depth=depth,
+                        blob_offset=blob_offset,
+                        stored_len=len(enc.payload),
+                        checksum=enc.checksum,
+                    )
+                )
+                blob_offset += len(enc.payload)
+
+        hashers = [xxhash.xxh3_128() for _ in header.tensors]
+        buf = bytearray()
+        for piece in _tensor_stream(parser, first, it):
+            spec = header.tensors[piece.index]
+            hashers[piece.index].update(piece.data)
+            step_bytes = codec.chunk_step(spec.itemsize, s.chunk_bytes)
+            data, pos = piece.data, piece.offset
+            while len(data):
+                begin = pos - pos % step_bytes  # the chunk that byte ``pos`` falls in
+                end = min(begin + step_bytes, spec.nbytes)
+                take = min(len(data), end - pos)
+                buf += data[:take]
+                data, pos = data[take:], pos + take
+                if pos < end:
+                    continue
+                base = index.get((spec.name, spec.dtype, spec.shape, begin, end - begin))
+                delta = not keyframe and base is not None and base.depth < s.max_chain_depth
+                future = rt.pool.submit(
+                    _encode_job,
+                    buf,
+                    spec.itemsize,
+                    s.zstd_level,
+                    base_fd,
+                    base,
+                    delta,
+                    cache_fd,
+                    spec.begin + begin,
+                )
+                pending.append(_Pending(piece.index, begin, end - begin, spec.itemsize, base, future))
+                buf = bytearray()
+                drain(max_pending)
+        drain(0)
+        stored_bytes = writer.finish()
+        tensors = [
+            TensorInfo(i, t.name, t.dtype, t.shape, t.begin, t.nbytes, h.digest())
+            for i, (t, h) in enumerate(zip(header.tensors, hashers, strict=True))
+        ]
+        rt.catalog.commit_upload(
+            checkpoint_id,
+            parent_id=None if parent is None else parent.id,
+            keyframe=keyframe or all(c.depth == 0 for c in chunks),
+            chain_depth=max((c.depth for c in chunks), default=0),
+            since_keyframe=0 if keyframe or parent is None else parent.since_keyframe + 1,
+            raw_bytes=header.data_len,
+            stored_bytes=stored_bytes,
+            metadata=dict(header.metadata),
+            tensors=tensors,
+            chunks=chunks,
+        )
+        committed = True
+    finally:
+        if not committed:
+            for p in pending:
+                p.future.cancel()
+            for p in pending:
+                if not p.future.cancelled():
+                    p.future.exception()  # wait: the job may still write to cache_fd
+            writer.abort()
+            rt.store.delete(blob_key)
+            rt.catalog.abort_upload(checkpoint_id)
+            rt.cache.discard(cache_tmp)
+        if base_fd is not None:
+            os.close(base_fd)
+        os.close(cache_fd)
+    latest = rt.catalog.find(run, None)
+    if latest is not None and latest.id == checkpoint_id:
+        rt.cache.install(run, checkpoint_id, cache_tmp)
+    else:
+        rt.cache.discard(cache_tmp)
+    return rt.catalog.get(run, step)

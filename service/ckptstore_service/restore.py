@@ -1,0 +1,149 @@
+"""Load path: resolve ``run/step`` -> decode chains -> verify -> stream safetensors out.
+
+The data comes from the base cache when the checkpoint is cached (``latest`` of an active
+run: no decoding at all) and otherwise from storage: each chunk follows its chain back to a
+self-contained chunk, decodes forward and is verified against its xxh3-128. Chunks are decoded
+in the codec pool, in order, a bounded number ahead of the one being sent. Every tensor is
+verified again as a whole against the checksum recorded at save time, and the response header
+carries those checksums (``__metadata__["ckptstore.xxh3_128"]``) so the client can check too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from ckptstore import codec
+from ckptstore.errors import CorruptData
+from ckptstore.wire import encode_header
+from ckptstore_service.catalog import CheckpointInfo, ChunkInfo, TensorInfo
+from ckptstore_service.runtime import Runtime
+
+__all__ = ["CHECKSUMS_KEY", "Restore", "materialize", "open_restore"]
+
+CHECKSUMS_KEY = "ckptstore.xxh3_128"
+_READ_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class Restore:
+    info: CheckpointInfo
+    total_len: int
+    body: Iterator[bytes]
+
+
+def open_restore(rt: Runtime, run: str, step: int | None, prefix: str | None) -> Restore:
+    """Resolve a checkpoint and prepare its stream (raises the not-found errors up front)."""
+    info = rt.catalog.get(run, step)
+    tensors = rt.catalog.tensors(info.id)
+    if prefix:
+        tensors = [t for t in tensors if t.name.startswith(prefix)]
+    metadata = dict(info.metadata)
+    metadata[CHECKSUMS_KEY] = json.dumps({t.name: t.checksum.hex() for t in tensors})
+    prefix_bytes, header = encode_header([(t.name, t.dtype, t.shape) for t in tensors], metadata)
+
+    def body() -> Iterator[bytes]:
+        yield prefix_bytes
+        yield from _verified(tensors, _data(rt, info, tensors))
+
+    return Restore(info, header.total_len, body())
+
+
+def materialize(rt: Runtime, info: CheckpointInfo, path: Path) -> None:
+    """Write the checkpoint's raw data section (the base cache layout) to ``path``."""
+    tensors = rt.catalog.tensors(info.id)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as out:
+            for data in _verified(tensors, _data(rt, info, tensors)):
+                out.write(data)
+    finally:
+        os.close(fd)
+
+
+def _verified(tensors: list[TensorInfo], pieces: Iterator[tuple[int, bytes]]) -> Iterator[bytes]:
+    """Pass the pieces through, checking each tensor's whole checksum when it ends."""
+    by_idx = {t.idx: t for t in tensors}
+    current: TensorInfo | None = None
+    hasher = xxhash.xxh3_128()
+    seen = 0
+
+    def check(t: TensorInfo) -> None:
+        if seen != t.nbytes or hasher.digest() != t.checksum:
+            raise CorruptData(f"tensor {t.name!r} does not match its checksum")
+
+    for idx, data in pieces:
+        if current is None or idx != current.idx:
+            if current is not None:
+                check(current)
+            current, hasher, seen = by_idx[idx], xxhash.xxh3_128(), 0
+        hasher.update(data)
+        seen += len(data)
+        yield data
+    if current is not None:
+        check(current)
+    for t in tensors:  # empty tensors produce no pieces
+        if t.nbytes == 0 and t.checksum != xxhash.xxh3_128_digest(b""):
+            raise CorruptData(f"tensor {t.name!r} does not match its checksum")
+
+
+def _data(rt: Runtime, info: CheckpointInfo, tensors: list[TensorInfo]) -> Iterator[tuple[int, bytes]]:
+    fd = rt.cache.open(info.run, info.id)
+    if fd is not None:
+        return _from_cache(fd, tensors)
+    return _from_storage(rt, info, tensors)
+
+
+def _from_cache(fd: int, tensors: list[TensorInfo]) -> Iterator[tuple[int, bytes]]:
+    try:
+        for t in tensors:
+            for off in range(0, t.nbytes, _READ_BYTES):
+                n = min(_READ_BYTES, t.nbytes - off)
+                data = os.pread(fd, n, t.begin + off)
+                if len(data) != n:
+                    raise CorruptData("base cache file is truncated")
+                yield t.idx, data
+    finally:
+        os.close(fd)
+
+
+def _from_storage(
+    rt: Runtime, info: CheckpointInfo, tensors: list[TensorInfo]
+) -> Iterator[tuple[int, bytes]]:
+    wanted = {t.idx for t in tensors}
+    chunks = [c for c in rt.catalog.chunks(info.id) if c.tensor_idx in wanted]
+    closure = rt.catalog.chunk_closure(chunks)
+
+    def decode(c: ChunkInfo) -> bytes:
+        if c.codec == codec.REF:
+            assert c.base_id is not None
+            return decode(closure[c.base_id])
+        payload = (
+            rt.store.get(c.blob_key, (c.blob_offset, c.blob_offset + c.stored_len))
+            if c.stored_len
+            else b""
+        )
+        base = None if c.base_id is None else decode(closure[c.base_id])
+        return codec.decode_chunk(c.codec, payload, base, c.itemsize, c.raw_len, c.checksum)
+
+    pending: deque[tuple[int, Future[bytes]]] = deque()
+    ahead = 2 * rt.workers + 2
+    try:
+        for c in chunks:
+            pending.append((c.tensor_idx, rt.pool.submit(decode, c)))
+            while len(pending) > ahead:
+                idx, fut = pending.popleft()
+                yield idx, fut.result()
+        while pending:
+            idx, fut = pending.popleft()
+            yield idx, fut.result()
+    finally:
+        for _, fut in pending:
+            fut.cancel()

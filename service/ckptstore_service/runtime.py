@@ -1,0 +1,97 @@
+"""Everything a request needs, built once by the app's lifespan: catalog, blob store, base
+cache, codec thread pool. Also the start-up garbage collection of crashed uploads."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ckptstore.errors import InvalidRequest
+from ckptstore_service.cache import BaseCache
+from ckptstore_service.catalog import Catalog
+from ckptstore_service.settings import Settings
+from ckptstore_service.storage import BlobStore, open_blob_store
+
+__all__ = ["Runtime", "check_run_name", "parse_step"]
+
+log = logging.getLogger("ckptstore")
+
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MAX_STEP = (1 << 63) - 1
+
+
+def check_run_name(run: str) -> str:
+    if not _RUN_NAME.fullmatch(run):
+        raise InvalidRequest(
+            f"invalid run name {run!r}: use 1-128 of A-Z a-z 0-9 . _ - starting with a "
+            "letter or digit"
+        )
+    return run
+
+
+def parse_step(step: str, *, allow_latest: bool = False) -> int | None:
+    """A step path segment: a non-negative integer (or ``latest`` when allowed -> None)."""
+    if allow_latest and step == "latest":
+        return None
+    if not step.isascii() or not step.isdigit() or int(step) > MAX_STEP:
+        what = "a non-negative integer" + (" or 'latest'" if allow_latest else "")
+        raise InvalidRequest(f"invalid step {step!r}: expected {what}")
+    return int(step)
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    catalog: Catalog
+    store: BlobStore
+    cache: BaseCache
+    pool: ThreadPoolExecutor
+
+    @classmethod
+    def open(cls, settings: Settings) -> Runtime:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        catalog = Catalog(settings.resolved_database_url())
+        catalog.create_schema()
+        store = open_blob_store(
+            settings.resolved_blob_url(),
+            s3_endpoint_url=settings.s3_endpoint_url,
+            s3_region=settings.s3_region,
+            s3_path_style=settings.s3_path_style,
+            s3_create_bucket=settings.s3_create_bucket,
+        )
+        cache = BaseCache(settings.resolved_cache_dir(), settings.cache_bytes)
+        workers = settings.workers or os.cpu_count() or 2
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptstore-codec")
+        runtime = cls(settings, catalog, store, cache, pool)
+        runtime.collect_crashed_uploads()
+        return runtime
+
+    @property
+    def workers(self) -> int:
+        return self.pool._max_workers
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.store.close()
+        self.catalog.close()
+
+    def collect_crashed_uploads(self) -> int:
+        """Delete the blobs and rows of uploads whose writer is gone.
+
+        A ``writing`` row whose run lock can be taken has no live writer (a live upload holds
+        the lock for its whole duration, on every replica), so its bytes are orphans.
+        """
+        collected = 0
+        for checkpoint_id, run, blob_key, _created in self.catalog.uploads_in_progress():
+            with self.catalog.run_lock(run, blocking=False) as held:
+                if not held:
+                    continue
+                self.store.delete(blob_key)
+                self.catalog.abort_upload(checkpoint_id)
+                collected += 1
+        if collected:
+            log.info("collected %d crashed upload(s)", collected)
+        return collected

@@ -1,0 +1,65 @@
+"""Service configuration: one typed class, read from ``CKPTSTORE_*`` environment variables.
+
+Built by the app factory (``create_app(Settings())``), never at import time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CKPTSTORE_", extra="ignore")
+
+    data_dir: Path = Field(
+        default=Path("ckptstore-data"),
+        description="Root for the embedded defaults (SQLite file, blob folder, base cache).",
+    )
+    database_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL; default sqlite:///<data_dir>/catalog.sqlite3. "
+        "PostgreSQL: postgresql+psycopg://user@host/db.",
+    )
+    blob_url: str | None = Field(
+        default=None,
+        description="file:///abs/path or s3://bucket/prefix; default file://<data_dir>/blobs.",
+    )
+    cache_dir: Path | None = Field(
+        default=None, description="Base cache folder; default <data_dir>/cache."
+    )
+    cache_bytes: int = Field(
+        default=8 * GiB, ge=0, description="Disk budget of the base cache (LRU by run)."
+    )
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    s3_path_style: bool = False
+    s3_create_bucket: bool = False
+
+    zstd_level: int = Field(default=3, ge=-7, le=22)
+    chunk_bytes: int = Field(default=4 * MiB, ge=64 << 10, le=256 * MiB)
+    keyframe_interval: int = Field(
+        default=10, ge=1, description="A full (keyframe) checkpoint every N checkpoints."
+    )
+    max_chain_depth: int = Field(
+        default=10, ge=0, description="Most deltas a chunk may sit on before it is stored whole."
+    )
+    max_upload_bytes: int = Field(default=1 << 40, ge=1, description="Largest checkpoint accepted.")
+    max_header_bytes: int = Field(default=100 * MiB, ge=1024)
+    workers: int = Field(default=0, ge=0, description="Codec threads; 0 = number of CPUs.")
+
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'catalog.sqlite3').resolve()}"
+
+    def resolved_blob_url(self) -> str:
+        return self.blob_url or (self.data_dir / "blobs").resolve().as_uri()
+
+    def resolved_cache_dir(self) -> Path:
+        return self.cache_dir or self.data_dir / "cache"

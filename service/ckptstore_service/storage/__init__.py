@@ -1,0 +1,55 @@
+"""Blob storage: the :class:`BlobStore` contract and its backends.
+
+``open_blob_store(url)`` builds the backend a settings URL names:
+
+* ``file:///abs/path`` or a plain path: :class:`LocalBlobStore` (the default, one machine);
+* ``s3://bucket/optional/prefix``: :class:`~ckptstore_service.storage.s3.S3BlobStore`, which
+  needs the ``s3`` extra (boto3) and is imported only when asked for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from .base import BlobNotFound, BlobStore, check_key
+from .local import LocalBlobStore
+
+__all__ = ["BlobNotFound", "BlobStore", "LocalBlobStore", "check_key", "open_blob_store"]
+
+
+def open_blob_store(
+    url: str,
+    *,
+    s3_endpoint_url: str | None = None,
+    s3_region: str | None = None,
+    s3_path_style: bool = False,
+    s3_create_bucket: bool = False,
+) -> BlobStore:
+    """The blob store for ``url``; the ``s3_*`` options apply to ``s3://`` URLs only."""
+    parts = urlsplit(url)
+    if parts.scheme == "" and url:
+        return LocalBlobStore(Path(url))
+    if parts.query or parts.fragment:
+        raise ValueError(f"blob store URL {url!r} must not have a query or fragment")
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+            raise ValueError(f"file blob store URL must be file:///absolute/path, got {url!r}")
+        return LocalBlobStore(Path(unquote(parts.path)))
+    if parts.scheme == "s3":
+        if not parts.netloc:
+            raise ValueError(f"S3 blob store URL must be s3://bucket[/prefix], got {url!r}")
+        from .s3 import S3BlobStore
+
+        return S3BlobStore(
+            parts.netloc,
+            unquote(parts.path).strip("/"),
+            endpoint_url=s3_endpoint_url,
+            region=s3_region,
+            path_style=s3_path_style,
+            create_bucket=s3_create_bucket,
+        )
+    raise ValueError(
+        f"unsupported blob store URL {url!r}: use file:///absolute/path, a plain path, "
+        "or s3://bucket[/prefix]"
+    )

@@ -1,0 +1,70 @@
+"""The blob store contract.
+
+A blob store maps string keys (``runs/<run>/<uuid>.blob``; ``/``-separated, no ``..``) to
+immutable byte strings. The service writes each checkpoint's encoded chunks as one blob and
+reads chunks back with ranged reads.
+
+Contract (every backend, checked by tests/storage/contract.py):
+
+* ``put_stream(key, chunks)`` consumes an iterable of bytes-like pieces and stores their
+  concatenation. It is atomic: until it returns, ``exists(key)`` is False and ``get`` raises
+  ``BlobNotFound``; if it raises (or the iterable raises), nothing is left visible and any
+  partial state (temp file, multipart upload) is cleaned up. It returns the blob's size.
+  Writing an existing key replaces it atomically.
+* ``get(key, byte_range=None)`` returns the whole blob or ``[start, end)`` of it. A range that
+  ends past the blob raises ``ValueError``; a missing key raises ``BlobNotFound``.
+* ``exists(key)``; ``delete(key)`` is idempotent (deleting a missing key is not an error).
+* ``iter_keys(prefix)`` yields the keys of committed blobs that start with ``prefix``, sorted.
+* Backend failures (unreachable, throttled past retries) raise
+  ``ckptstore.errors.StorageUnavailable`` translated with ``raise ... from exc``.
+
+Implementations are safe to call from several threads at once.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Iterator
+
+from ckptstore.errors import CkptStoreError
+
+__all__ = ["BlobNotFound", "BlobStore", "Buffer", "check_key"]
+
+Buffer = bytes | bytearray | memoryview
+
+
+class BlobNotFound(CkptStoreError):
+    """A blob the catalog points at is missing: the store lost data (500)."""
+
+    code = "blob_not_found"
+    status = 500
+
+
+def check_key(key: str) -> str:
+    """Reject keys that could escape a prefix or folder; returns the key."""
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"invalid blob key {key!r}")
+    return key
+
+
+class BlobStore(abc.ABC):
+    """Where encoded chunk bytes live. See the module docstring for the contract."""
+
+    @abc.abstractmethod
+    def put_stream(self, key: str, chunks: Iterable[Buffer]) -> int: ...
+
+    @abc.abstractmethod
+    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes: ...
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    @abc.abstractmethod
+    def iter_keys(self, prefix: str = "") -> Iterator[str]: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and pools."""

@@ -1,0 +1,231 @@
+"""Blobs as files under one directory: the single-machine backend.
+
+Layout: ``<root>/<key>`` for committed blobs, ``<root>/.tmp/`` for writes in progress. A write
+goes to a fresh temp file, is fsynced, renamed into place and the directory fsynced, so a blob
+is visible whole or not at all, and survives a power cut once ``put_stream`` returns. Temp
+files left by a crashed process are removed by ``collect_temp``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from ckptstore.errors import StorageUnavailable
+
+from .base import BlobNotFound, BlobStore, Buffer, check_key
+
+__all__ = ["LocalBlobStore"]
+
+TMP_DIR = ".tmp"
+_TMP_SUFFIX = ".part"
+# os.pread reads at most 0x7ffff000 bytes per call on Linux.
+_MAX_READ = 1 << 30
+
+
+class LocalBlobStore(BlobStore):
+    """A :class:`BlobStore` over a local (or mounted) directory.
+
+    Keys map to paths below ``root``; a key whose first segment is ``.tmp`` is reserved.
+    Directories are created on write and never removed, so a concurrent ``put_stream`` can
+    never lose the folder it is renaming into.
+    """
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self._tmp = self.root / TMP_DIR
+        try:
+            self._tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageUnavailable(f"cannot create blob directory {self.root}: {exc}") from exc
+
+    def __repr__(self) -> str:
+        return f"LocalBlobStore({str(self.root)!r})"
+
+    # -- keys -------------------------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        check_key(key)
+        if key.split("/", 1)[0] == TMP_DIR:
+            raise ValueError(f"invalid blob key {key!r}: {TMP_DIR!r} is reserved")
+        path = self.root / key
+        # check_key already forbids '..'; this also catches a symlink that leads out of root.
+        real = os.path.realpath(path)
+        if os.path.commonpath([real, self.root]) != str(self.root):
+            raise ValueError(f"invalid blob key {key!r}: resolves outside {self.root}")
+        return path
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def put_stream(self, key: str, chunks: Iterable[Buffer]) -> int:
+        dest = self._path(key)
+        try:
+            fd, tmp_name = tempfile.mkstemp(dir=self._tmp, suffix=_TMP_SUFFIX)
+        except OSError as exc:
+            raise self._unavailable("create a temp file for", key, exc) from exc
+        size = 0
+        try:
+            with open(fd, "wb") as f:
+                for piece in chunks:
+                    # Exceptions of the iterable itself pass through untranslated.
+                    try:
+                        size += f.write(piece)
+                    except OSError as exc:
+                        raise self._unavailable("write", key, exc) from exc
+                try:
+                    f.flush()
+                    os.fsync(f.fileno())
+                except OSError as exc:
+                    raise self._unavailable("write", key, exc) from exc
+            try:
+                self._makedirs(dest.parent)
+                os.replace(tmp_name, dest)
+                _fsync_dir(dest.parent)
+            except OSError as exc:
+                raise self._unavailable("commit", key, exc) from exc
+        except BaseException:
+            # Also on GeneratorExit / KeyboardInterrupt: never leave a temp file behind.
+            try:
+                os.unlink(tmp_name)
+            except FileNotFoundError:
+                pass
+            raise
+        return size
+
+    def _makedirs(self, directory: Path) -> None:
+        """mkdir -p, fsyncing the parent of every folder created so the new entries persist."""
+        missing: list[Path] = []
+        d = directory
+        while d != self.root and not d.is_dir():
+            missing.append(d)
+            d = d.parent
+        for d in reversed(missing):
+            try:
+                d.mkdir()
+            except FileExistsError:
+                if not d.is_dir():
+                    raise
+                continue
+            _fsync_dir(d.parent)
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+            raise BlobNotFound(f"blob {key!r} not found in {self.root}") from exc
+        except OSError as exc:
+            raise self._unavailable("open", key, exc) from exc
+        try:
+            size = os.fstat(fd).st_size
+            if byte_range is None:
+                start, end = 0, size
+            else:
+                start, end = check_range(byte_range)
+                if end > size:
+                    raise ValueError(
+                        f"range [{start}, {end}) ends past blob {key!r} of {size} bytes"
+                    )
+            return _pread_exact(fd, start, end - start)
+        except OSError as exc:
+            raise self._unavailable("read", key, exc) from exc
+        finally:
+            os.close(fd)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            pass
+        except OSError as exc:
+            raise self._unavailable("delete", key, exc) from exc
+
+    def iter_keys(self, prefix: str = "") -> Iterator[str]:
+        # Only walk the folder the prefix pins down; a prefix with '..' or '//' matches no key.
+        head, _, _ = prefix.rpartition("/")
+        if head:
+            try:
+                check_key(head)
+            except ValueError:
+                return
+        start = self.root / head if head else self.root
+        keys: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            rel = os.path.relpath(dirpath, self.root)
+            if rel == ".":
+                rel = ""
+                dirnames[:] = [d for d in dirnames if d != TMP_DIR]
+            base = rel.replace(os.sep, "/") + "/" if rel else ""
+            for name in filenames:
+                key = base + name
+                if key.startswith(prefix):
+                    keys.append(key)
+        # Sorted over whole keys: walk order is per folder, and 'a-b' < 'a/b'.
+        keys.sort()
+        yield from keys
+
+    # -- garbage collection -----------------------------------------------------------------
+
+    def collect_temp(self, older_than_s: float) -> int:
+        """Delete temp files not written to for ``older_than_s`` seconds; returns how many.
+
+        These are the orphans of writes cut short by a crash. A write in progress touches its
+        file's mtime with every piece, so only a writer stalled that long could be affected.
+        """
+        cutoff = time.time() - older_than_s
+        removed = 0
+        try:
+            entries = list(os.scandir(self._tmp))
+        except FileNotFoundError:
+            return 0
+        for entry in entries:
+            try:
+                if entry.is_file(follow_symlinks=False) and entry.stat().st_mtime < cutoff:
+                    os.unlink(entry.path)
+                    removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
+
+    def _unavailable(self, what: str, key: str, exc: OSError) -> StorageUnavailable:
+        return StorageUnavailable(f"cannot {what} blob {key!r} in {self.root}: {exc}")
+
+
+def check_range(byte_range: tuple[int, int]) -> tuple[int, int]:
+    """Validate a ``[start, end)`` range against the contract's rules (not the blob size)."""
+    start, end = byte_range
+    if start < 0 or end < start:
+        raise ValueError(f"invalid byte range [{start}, {end})")
+    return start, end
+
+
+def _pread_exact(fd: int, offset: int, n: int) -> bytes:
+    first = os.pread(fd, min(n, _MAX_READ), offset)
+    if len(first) == n:
+        return first
+    parts = [first]
+    got = len(first)
+    while got < n:
+        data = os.pread(fd, min(n - got, _MAX_READ), offset + got)
+        if not data:
+            raise OSError(f"blob shrank while reading: got {got} of {n} bytes")
+        parts.append(data)
+        got += len(data)
+    return b"".join(parts)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,513 @@
+"""Blobs as S3 objects: the cluster backend (AWS S3, MinIO, Ceph, anything S3-compatible).
+
+A blob ``key`` is the object ``<prefix>/<key>`` in ``bucket``.
+
+Writes stream: incoming pieces are cut into parts that are uploaded by a small thread pool while
+the caller is still producing, with at most ``max_concurrency`` parts in flight, so memory stays
+at ``(max_concurrency + 1) * part_size`` whatever the blob's size. The object only appears when
+CompleteMultipartUpload succeeds; any failure aborts the upload. A blob smaller than one part is
+one PutObject. Uploads orphaned by a crashed process are listed by ``list_open_uploads`` and
+removed by ``abort_stale_uploads`` (or by a bucket lifecycle rule).
+
+Reads of more than two parts fetch part-sized ranges in parallel, pinned to the first response's
+ETag so that an object replaced mid-read is re-read rather than torn.
+
+boto3 is an optional dependency (``pip install 'ckptstore[s3]'``), imported when a store is built.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
+
+from ckptstore.errors import PayloadTooLarge, StorageUnavailable
+
+from .base import BlobNotFound, BlobStore, Buffer, check_key
+from .local import check_range
+
+if TYPE_CHECKING:
+    from botocore.client import BaseClient
+
+__all__ = ["MAX_PART_SIZE", "MIN_PART_SIZE", "OpenUpload", "S3BlobStore"]
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+MIN_PART_SIZE = 5 * MiB  # S3's floor for every part but the last
+MAX_PART_SIZE = 5 * 1024 * MiB
+MAX_PARTS = 10_000
+# Parts double in size every this many parts, so one upload reaches terabytes within S3's
+# 10,000-part limit while ordinary blobs keep the configured (memory-friendly) part size.
+PARTS_PER_DOUBLING = 1000
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+# Whole-read attempts when the object changes under a multi-request read.
+_READ_ATTEMPTS = 3
+
+@dataclass(frozen=True)
+class OpenUpload:
+    """A multipart upload that was started and neither completed nor aborted."""
+
+    key: str
+    upload_id: str
+    initiated: datetime
+
+
+@dataclass(frozen=True)
+class _Piece:
+    data: bytes
+    total: int  # size of the whole object
+    etag: str
+
+
+class _RangeNotSatisfiable(Exception):
+    """HTTP 416: the range starts at or past the end of the object."""
+
+
+class _ObjectChanged(Exception):
+    """HTTP 412 on If-Match: the object was replaced between two requests of one read."""
+
+
+class S3BlobStore(BlobStore):
+    """A :class:`BlobStore` over one bucket (and optional key prefix) of an S3-compatible store.
+
+    ``endpoint_url`` selects a non-AWS store (MinIO, Ceph, moto); ``path_style`` addresses the
+    bucket in the path rather than the host name, which most of those need. ``create_bucket``
+    creates a missing bucket at construction. Timeouts are per request, in seconds;
+    ``max_attempts`` counts the first try (botocore "standard" retries, with backoff, on
+    throttling, 5xx and connection errors). Credentials come from boto3's usual chain
+    (environment, shared config, instance role).
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        path_style: bool = False,
+        create_bucket: bool = False,
+        part_size: int = 8 * MiB,
+        max_concurrency: int = 4,
+        connect_timeout: float = 5,
+        read_timeout: float = 60,
+        max_attempts: int = 5,
+    ) -> None:
+        try:
+            import boto3.session
+            from botocore.config import Config
+        except ImportError as exc:
+            raise ImportError(
+                "the S3 blob store needs boto3: pip install 'ckptstore[s3]'"
+            ) from exc
+        if not bucket or "/" in bucket:
+            raise ValueError(f"invalid bucket name {bucket!r}")
+        if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE:
+            raise ValueError(f"part_size must be in [{MIN_PART_SIZE}, {MAX_PART_SIZE}]")
+        if max_concurrency < 1 or max_attempts < 1:
+            raise ValueError("max_concurrency and max_attempts must be at least 1")
+        prefix = prefix.strip("/")
+        self.bucket = bucket
+        self.prefix = check_key(prefix) + "/" if prefix else ""
+        self.part_size = part_size
+        self.max_concurrency = max_concurrency
+        self._max_attempts = max_attempts
+
+        config = Config(
+            region_name=region,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            retries={"mode": "standard", "max_attempts": max_attempts},
+            # Several calls share the client, each with up to max_concurrency requests.
+            max_pool_connections=max(10, 4 * max_concurrency + 2),
+            s3={"addressing_style": "path" if path_style else "auto"},
+        )
+        self._client: BaseClient = boto3.session.Session().client(
+            "s3", endpoint_url=endpoint_url, config=config
+        )
+        self.endpoint_url: str = self._client.meta.endpoint_url
+        # Mirror s3transfer: with botocore's default integrity protection, multipart uploads
+        # carry a CRC32 per part, which CompleteMultipartUpload must then list.
+        self._part_checksum = (
+            "CRC32" if self._client.meta.config.request_checksum_calculation == "when_supported"
+            else None
+        )
+        if create_bucket:
+            self._ensure_bucket()
+
+    def __repr__(self) -> str:
+        return f"S3BlobStore({self._where})"
+
+    @property
+    def _where(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix} at {self.endpoint_url}"
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -- errors -----------------------------------------------------------------------------
+
+    def _translate(self, exc: Exception, what: str, key: str | None) -> Exception | None:
+        """The ckptstore error for a botocore exception, or None for anything else."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        subject = f"{what} {key!r}" if key is not None else what
+        if isinstance(exc, ClientError):
+            code, status = _code(exc), _status(exc)
+            if key is not None and (code in _NOT_FOUND_CODES or (status == 404 and not code)):
+                return BlobNotFound(f"blob {key!r} not found in {self._where}")
+            message = exc.response.get("Error", {}).get("Message", "")
+            return StorageUnavailable(
+                f"S3 {subject} failed on {self._where}: {code} (HTTP {status}) {message}".rstrip()
+            )
+        if isinstance(exc, BotoCoreError):
+            return StorageUnavailable(f"S3 {subject} failed on {self._where}: {exc}")
+        return None
+
+    @contextmanager
+    def _errors(self, what: str, key: str | None = None) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            mapped = self._translate(exc, what, key)
+            if mapped is None:
+                raise
+            raise mapped from exc
+
+    def _ensure_bucket(self) -> None:
+        from botocore.exceptions import ClientError
+
+        with self._errors("create bucket"):
+            try:
+                self._client.head_bucket(Bucket=self.bucket)
+                return
+            except ClientError as exc:
+                if _status(exc) != 404:
+                    raise
+            region = self._client.meta.region_name
+            kwargs = {}
+            if region and region != "us-east-1":
+                kwargs["CreateBucketConfiguration"] = {"LocationConstraint": region}
+            try:
+                self._client.create_bucket(Bucket=self.bucket, **kwargs)
+            except ClientError as exc:
+                # Another replica may have won the race.
+                if _code(exc) != "BucketAlreadyOwnedByYou":
+                    raise
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def put_stream(self, key: str, chunks: Iterable[Buffer]) -> int:
+        full = self.prefix + check_key(key)
+        part_size = self.part_size
+        buf = bytearray()
+        size = 0
+        upload: _MultipartUpload | None = None
+        try:
+            for piece in chunks:
+                view = memoryview(piece).cast("B")
+                size += len(view)
+                while len(buf) + len(view) >= part_size:
+                    take = part_size - len(buf)
+                    buf += view[:take]
+                    view = view[take:]
+                    if upload is None:
+                        upload = _MultipartUpload(self, key, full)
+                    upload.add_part(buf)
+                    buf = bytearray()
+                    part_size = upload.next_part_size()
+                buf += view
+            if upload is None:
+                with self._errors("put", key):
+                    self._client.put_object(Bucket=self.bucket, Key=full, Body=buf)
+            else:
+                if buf:
+                    upload.add_part(buf)
+                upload.complete()
+        except BaseException:
+            # Also when the caller's iterable raises or is closed: nothing may stay behind.
+            if upload is not None:
+                upload.abort()
+            raise
+        return size
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
+        full = self.prefix + check_key(key)
+        if byte_range is None:
+            start, end = 0, None
+        else:
+            start, end = check_range(byte_range)
+            if start == end:
+                # S3 has no zero-length Range; still report a missing key or a range past the end.
+                size = self._head(key, full)
+                if end > size:
+                    raise ValueError(f"range [{start}, {end}) ends past blob {key!r} ({size} B)")
+                return b""
+        for _ in range(_READ_ATTEMPTS):
+            try:
+                return self._get_once(key, full, start, end)
+            except _ObjectChanged:
+                continue
+        raise StorageUnavailable(f"blob {key!r} kept changing while being read in {self._where}")
+
+    def _get_once(self, key: str, full: str, start: int, end: int | None) -> bytes:
+        ps = self.part_size
+        small = end is not None and end - start <= 2 * ps
+        first_end = end if small else start + ps
+        assert first_end is not None
+        try:
+            first = self._fetch(key, full, start, first_end, if_match=None)
+        except _RangeNotSatisfiable:
+            if end is None:
+                # Only an empty object has no byte 0.
+                with self._errors("get", key):
+                    body = self._client.get_object(Bucket=self.bucket, Key=full)["Body"]
+                    return bytes(body.read())
+            raise ValueError(f"range [{start}, {end}) ends past blob {key!r}") from None
+        if end is None:
+            end = first.total
+        if end > first.total:
+            raise ValueError(f"range [{start}, {end}) ends past blob {key!r} ({first.total} B)")
+        if first_end >= end:
+            return first.data
+        bounds = [(a, min(a + ps, end)) for a in range(first_end, end, ps)]
+        with ThreadPoolExecutor(
+            max_workers=min(self.max_concurrency, len(bounds)),
+            thread_name_prefix="ckptstore-s3-get",
+        ) as pool:
+            futures = [pool.submit(self._fetch, key, full, a, b, first.etag) for a, b in bounds]
+            try:
+                rest = [f.result().data for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+        return b"".join([first.data, *rest])
+
+    def _fetch(self, key: str, full: str, start: int, end: int, if_match: str | None) -> _Piece:
+        """Bytes ``[start, end)`` (clipped to the object), retrying a body cut off mid-read."""
+        from botocore.exceptions import (
+            ClientError,
+            ConnectionClosedError,
+            IncompleteReadError,
+            ReadTimeoutError,
+            ResponseStreamingError,
+        )
+
+        extra = {"IfMatch": if_match} if if_match is not None else {}
+        for attempt in range(1, self._max_attempts + 1):
+            with self._errors("get", key):
+                try:
+                    resp = self._client.get_object(
+                        Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}", **extra
+                    )
+                except ClientError as exc:
+                    if _status(exc) == 416 or _code(exc) == "InvalidRange":
+                        raise _RangeNotSatisfiable from exc
+                    if _status(exc) == 412:
+                        raise _ObjectChanged from exc
+                    raise
+                try:
+                    data = bytes(resp["Body"].read())
+                except (
+                    ResponseStreamingError,
+                    IncompleteReadError,
+                    ReadTimeoutError,
+                    ConnectionClosedError,
+                ):
+                    if attempt == self._max_attempts:
+                        raise
+                    continue
+            etag = str(resp.get("ETag", ""))
+            match = _CONTENT_RANGE.fullmatch(str(resp.get("ContentRange", "")))
+            if match is None:
+                # The server ignored Range and sent the whole object.
+                return _Piece(data[start:end], len(data), etag)
+            total = int(match.group(3))
+            if len(data) != min(end, total) - start:
+                raise StorageUnavailable(
+                    f"S3 get {key!r} on {self._where}: short body "
+                    f"({len(data)} bytes for range {start}-{end - 1} of {total})"
+                )
+            return _Piece(data, total, etag)
+        raise AssertionError("unreachable")
+
+    def _head(self, key: str, full: str) -> int:
+        with self._errors("head", key):
+            return int(self._client.head_object(Bucket=self.bucket, Key=full)["ContentLength"])
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._head(key, self.prefix + check_key(key))
+        except BlobNotFound:
+            return False
+        return True
+
+    def delete(self, key: str) -> None:
+        full = self.prefix + check_key(key)
+        try:
+            with self._errors("delete", key):
+                self._client.delete_object(Bucket=self.bucket, Key=full)
+        except BlobNotFound:
+            pass  # S3 itself answers 204; some compatible stores say NoSuchKey
+
+    def iter_keys(self, prefix: str = "") -> Iterator[str]:
+        paginator = self._client.get_paginator("list_objects_v2")
+        pages = iter(paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix))
+        cut = len(self.prefix)
+        while True:
+            # Pages are fetched lazily: translate each fetch, not the caller's loop body.
+            with self._errors("list"):
+                page = next(pages, None)
+            if page is None:
+                return
+            for obj in page.get("Contents", ()):
+                yield str(obj["Key"])[cut:]
+
+    # -- garbage collection -----------------------------------------------------------------
+
+    def list_open_uploads(self) -> list[OpenUpload]:
+        """Multipart uploads under this store's prefix that were neither completed nor aborted."""
+        paginator = self._client.get_paginator("list_multipart_uploads")
+        out: list[OpenUpload] = []
+        cut = len(self.prefix)
+        with self._errors("list multipart uploads"):
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
+                for up in page.get("Uploads", ()):
+                    out.append(OpenUpload(str(up["Key"])[cut:], up["UploadId"], up["Initiated"]))
+        return out
+
+    def abort_stale_uploads(self, older_than_s: float) -> int:
+        """Abort open uploads started more than ``older_than_s`` ago; returns how many.
+
+        Call it at start-up (and now and then) with a margin longer than any upload takes: an
+        upload still being written by another replica would be aborted too.
+        """
+        from botocore.exceptions import ClientError
+
+        cutoff = datetime.now(UTC) - timedelta(seconds=older_than_s)
+        aborted = 0
+        for up in self.list_open_uploads():
+            if up.initiated >= cutoff:
+                continue
+            with self._errors("abort multipart upload of", up.key):
+                try:
+                    self._client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=self.prefix + up.key, UploadId=up.upload_id
+                    )
+                except ClientError as exc:
+                    if _code(exc) != "NoSuchUpload":
+                        raise
+                    continue
+            aborted += 1
+        return aborted
+
+
+class _MultipartUpload:
+    """One multipart upload fed part by part from ``put_stream``'s thread."""
+
+    def __init__(self, store: S3BlobStore, key: str, full: str) -> None:
+        self._store = store
+        self._key = key
+        self._full = full
+        self._checksum = store._part_checksum
+        extra = {"ChecksumAlgorithm": self._checksum} if self._checksum else {}
+        with store._errors("start multipart upload of", key):
+            resp = store._client.create_multipart_upload(Bucket=store.bucket, Key=full, **extra)
+        self._upload_id = str(resp["UploadId"])
+        self._pool = ThreadPoolExecutor(
+            max_workers=store.max_concurrency, thread_name_prefix="ckptstore-s3-put"
+        )
+        self._pending: set[Future[dict[str, str | int]]] = set()
+        self._parts: list[dict[str, str | int]] = []
+        self._submitted = 0
+
+    def next_part_size(self) -> int:
+        return min(
+            self._store.part_size << (self._submitted // PARTS_PER_DOUBLING), MAX_PART_SIZE
+        )
+
+    def add_part(self, data: bytearray) -> None:
+        """Queue a part; blocks while ``max_concurrency`` parts are in flight."""
+        if self._submitted == MAX_PARTS:
+            raise PayloadTooLarge(f"blob {self._key!r} needs more than {MAX_PARTS} S3 parts")
+        self._collect(block=False)
+        while len(self._pending) >= self._store.max_concurrency:
+            self._collect(block=True)
+        self._submitted += 1
+        self._pending.add(self._pool.submit(self._upload_part, self._submitted, data))
+
+    def _collect(self, *, block: bool) -> None:
+        """Record finished parts; raises the first part's error, so failures surface early."""
+        if block:
+            done, self._pending = wait(self._pending, return_when=FIRST_COMPLETED)
+        else:
+            done = {f for f in self._pending if f.done()}
+            self._pending -= done
+        for f in done:
+            self._parts.append(f.result())
+
+    def _upload_part(self, number: int, data: bytearray) -> dict[str, str | int]:
+        store = self._store
+        extra = {"ChecksumAlgorithm": self._checksum} if self._checksum else {}
+        with store._errors(f"upload part {number} of", self._key):
+            resp = store._client.upload_part(
+                Bucket=store.bucket,
+                Key=self._full,
+                UploadId=self._upload_id,
+                PartNumber=number,
+                Body=data,
+                **extra,
+            )
+        part: dict[str, str | int] = {"PartNumber": number, "ETag": resp["ETag"]}
+        if self._checksum and f"Checksum{self._checksum}" in resp:
+            part[f"Checksum{self._checksum}"] = resp[f"Checksum{self._checksum}"]
+        return part
+
+    def complete(self) -> None:
+        while self._pending:
+            self._collect(block=True)
+        self._pool.shutdown()
+        store = self._store
+        parts = sorted(self._parts, key=lambda p: p["PartNumber"])
+        with store._errors("complete multipart upload of", self._key):
+            store._client.complete_multipart_upload(
+                Bucket=store.bucket,
+                Key=self._full,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+
+    def abort(self) -> None:
+        # Let in-flight parts finish first: a part that lands after the abort would linger.
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        store = self._store
+        try:
+            with store._errors("abort multipart upload of", self._key):
+                store._client.abort_multipart_upload(
+                    Bucket=store.bucket, Key=self._full, UploadId=self._upload_id
+                )
+        except Exception:
+            # The caller's original error matters more; abort_stale_uploads collects this one.
+            log.warning(
+                "could not abort multipart upload %s of %r", self._upload_id, self._key,
+                exc_info=True,
+            )
+
+
+def _code(exc: Exception) -> str:
+    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+
+
+def _status(exc: Exception) -> int:
+    meta = getattr(exc, "response", {}).get("ResponseMetadata", {})
+    return int(meta.get("HTTPStatusCode", 0))

@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptstore_service.storage import BlobStore, LocalBlobStore
+
+from .contract import BlobStoreContract
+
+
+class TestLocalBlobStore(BlobStoreContract):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> LocalBlobStore:
+        return LocalBlobStore(tmp_path / "blobs")
+
+    def leftovers(self, store: BlobStore) -> list[str]:
+        assert isinstance(store, LocalBlobStore)
+        return sorted(os.listdir(store.root / ".tmp"))
+
+
+def test_layout(tmp_path: Path) -> None:
+    store = LocalBlobStore(tmp_path)
+    store.put_stream("runs/r/1.blob", [b"abc"])
+    assert (tmp_path / "runs" / "r" / "1.blob").read_bytes() == b"abc"
+    assert os.listdir(tmp_path / ".tmp") == []
+
+
+def test_collect_temp_removes_only_stale_files(tmp_path: Path) -> None:
+    store = LocalBlobStore(tmp_path)
+    stale = tmp_path / ".tmp" / "crashed.part"
+    fresh = tmp_path / ".tmp" / "writing.part"
+    stale.write_bytes(b"half a blob")
+    fresh.write_bytes(b"in progress")
+    an_hour_ago = time.time() - 3600
+    os.utime(stale, (an_hour_ago, an_hour_ago))
+
+    assert store.collect_temp(older_than_s=600) == 1
+    assert not stale.exists()
+    assert fresh.exists()
+    assert store.collect_temp(older_than_s=0) == 1
+    assert os.listdir(tmp_path / ".tmp") == []
+
+
+def test_temp_files_are_not_keys(tmp_path: Path) -> None:
+    store = LocalBlobStore(tmp_path)
+    (tmp_path / ".tmp" / "orphan.part").write_bytes(b"x")
+    store.put_stream("k", [b"v"])
+    assert list(store.iter_keys()) == ["k"]
+    assert list(store.iter_keys(".")) == []
+
+
+@pytest.mark.parametrize("key", ["../x", "../../etc/passwd", ".tmp/x", ".tmp"])
+def test_keys_cannot_leave_the_root(tmp_path: Path, key: str) -> None:
+    store = LocalBlobStore(tmp_path / "root")
+    with pytest.raises(ValueError):
+        store.put_stream(key, [b"x"])
+    with pytest.raises(ValueError):
+        store.get(key)
+    assert sorted(os.listdir(tmp_path)) == ["root"]
+
+
+def test_symlink_out_of_root_is_rejected(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    store = LocalBlobStore(tmp_path / "root")
+    (tmp_path / "root" / "evil").symlink_to(outside)
+    with pytest.raises(ValueError):
+        store.put_stream("evil/x", [b"x"])
+    assert os.listdir(outside) == []
+
+
+def test_directories_are_not_blobs(tmp_path: Path) -> None:
+    store = LocalBlobStore(tmp_path)
+    store.put_stream("runs/r/1", [b"x"])
+    assert not store.exists("runs/r")
+    from ckptstore_service.storage import BlobNotFound
+
+    with pytest.raises(BlobNotFound):
+        store.get("runs/r")
+    store.delete("runs/r")
+    assert store.get("runs/r/1") == b"x"
