@@ -53,7 +53,9 @@ _FAKE_CREDENTIALS = {
 }
 
 
-def start_moto(*, in_process: bool = False, timeout_s: float = 60) -> tuple[str, Callable[[], None]]:
+def start_moto(
+    *, in_process: bool = False, timeout_s: float = 60
+) -> tuple[str, Callable[[], None]]:
     """Start a moto S3 server on 127.0.0.1 and a free port; returns ``(endpoint_url, stop)``."""
     if in_process:
         return _start_thread(timeout_s)
@@ -61,7 +63,7 @@ def start_moto(*, in_process: bool = False, timeout_s: float = 60) -> tuple[str,
 
 
 def _start_child(timeout_s: float) -> tuple[str, Callable[[], None]]:
-    stderr = tempfile.TemporaryFile()
+    stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
         [sys.executable, "-c", _CHILD],
         stdin=subprocess.PIPE,

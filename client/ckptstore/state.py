@@ -149,6 +149,8 @@ _NDARRAY_INLINE_MAX: Final = 64 * 1024
 # Integers above this magnitude are written as hex: JSON readers in other languages lose
 # precision past 2**53, and Python caps decimal int<->str conversion at 4300 digits.
 _JSON_INT_MAX: Final = 2**53
+# Int keys up to this size render in decimal in tensor names, bigger ones in hex.
+_DECIMAL_KEY_MAX: Final = 10**1000
 
 _KeyType = str | int | float | bool | None
 
@@ -193,8 +195,12 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     in-place writes to it); otherwise one copy (device to host, or making it contiguous).
     """
     t = t.detach().cpu().contiguous().resolve_conj().resolve_neg()
+    if t.numel() == 0:
+        return memoryview(b"")
     # A flat uint8 view exists for every dtype, including the ones numpy lacks (bf16, fp8).
-    raw = t.reshape(-1).view(torch.uint8).numpy()
+    # as_strided, not reshape: a contiguous tensor may still carry odd strides on size-1
+    # dims, which reshape keeps and view(uint8) rejects.
+    raw = t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy()
     if sys.byteorder != "little" and t.element_size() > 1:
         raw = raw.reshape(-1, t.element_size())[:, ::-1].copy().reshape(-1)
     return raw.data
@@ -246,7 +252,12 @@ def _escape(component: str) -> str:
 
 
 def _join(path: str, component: object, *, root: bool) -> str:
-    escaped = _escape(str(component))
+    if type(component) is int and abs(component) >= _DECIMAL_KEY_MAX:
+        # Decimal conversion of huge ints is capped by the interpreter (sys.int_info).
+        text = hex(component)
+    else:
+        text = str(component)
+    escaped = _escape(text)
     return escaped if root else f"{path}/{escaped}"
 
 
@@ -345,7 +356,7 @@ class _Flattener:
             raise TypeError(f"meta tensor (no data) at {_show(path)}")
         if t.dtype not in _TO_WIRE:
             raise TypeError(f"unsupported tensor dtype {t.dtype} at {_show(path)}")
-        t = t.detach()
+        original, t = t, t.detach()
         storage = t.untyped_storage()
         identity: tuple[object, ...]
         if storage.nbytes() and storage.data_ptr():
@@ -359,8 +370,8 @@ class _Flattener:
             )
         else:
             # No bytes to compare by: only the very same object counts as tied.
-            identity = ("object", id(t))
-        self._keepalive.append(t)
+            identity = ("object", id(original))
+        self._keepalive.append(original)
         name = self._by_identity.get(identity)
         if name is None:
             name = self._allocate(path)

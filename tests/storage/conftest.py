@@ -3,6 +3,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+
 from s3server import fake_aws_credentials, start_moto
 
 

@@ -46,8 +46,9 @@ class BlobStoreContract:
         raise NotImplementedError
 
     @pytest.fixture(scope="class")
-    def big(self) -> bytes:
-        return os.urandom(self.big_size)
+    @classmethod
+    def big(cls) -> bytes:
+        return os.urandom(cls.big_size)
 
     # -- put / get --------------------------------------------------------------------------
 
@@ -62,8 +63,15 @@ class BlobStoreContract:
             [memoryview(array.array("I", [1, 2, 3, 0xFFFFFFFF]))],
             [bytes([i]) for i in range(256)],
         ],
-        ids=["nothing", "one-empty", "empty-pieces", "one", "buffer-types", "non-byte-view",
-             "tiny-pieces"],
+        ids=[
+            "nothing",
+            "one-empty",
+            "empty-pieces",
+            "one",
+            "buffer-types",
+            "non-byte-view",
+            "tiny-pieces",
+        ],
     )
     def test_roundtrip(self, store: BlobStore, chunks: list[bytes]) -> None:
         expected = b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
@@ -148,7 +156,11 @@ class BlobStoreContract:
         assert list(store.iter_keys("")) == sorted(keys)
         assert list(store.iter_keys("runs/a/")) == ["runs/a/10", "runs/a/2", "runs/a/sub/x"]
         assert list(store.iter_keys("runs/a")) == [
-            "runs/a-b/1", "runs/a/10", "runs/a/2", "runs/a/sub/x", "runs/ab",
+            "runs/a-b/1",
+            "runs/a/10",
+            "runs/a/2",
+            "runs/a/sub/x",
+            "runs/ab",
         ]
         assert list(store.iter_keys("runs/a/1")) == ["runs/a/10"]
         assert list(store.iter_keys("r")) == sorted(k for k in keys if k.startswith("r"))
@@ -227,8 +239,10 @@ class BlobStoreContract:
     # -- threads ----------------------------------------------------------------------------
 
     def test_concurrent_puts_and_gets(self, store: BlobStore) -> None:
-        blobs = {f"runs/r{i}/blob": os.urandom(i * 1000 + (6 * MiB if i % 3 == 0 else 0))
-                 for i in range(8)}
+        blobs = {
+            f"runs/r{i}/blob": os.urandom(i * 1000 + (6 * MiB if i % 3 == 0 else 0))
+            for i in range(8)
+        }
 
         def put(item: tuple[str, bytes]) -> int:
             key, data = item

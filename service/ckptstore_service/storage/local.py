@@ -8,7 +8,9 @@ files left by a crashed process are removed by ``collect_temp``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -88,10 +90,8 @@ class LocalBlobStore(BlobStore):
                 raise self._unavailable("commit", key, exc) from exc
         except BaseException:
             # Also on GeneratorExit / KeyboardInterrupt: never leave a temp file behind.
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp_name)
-            except FileNotFoundError:
-                pass
             raise
         return size
 
@@ -122,7 +122,10 @@ class LocalBlobStore(BlobStore):
         except OSError as exc:
             raise self._unavailable("open", key, exc) from exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BlobNotFound(f"blob {key!r} not found in {self.root} (not a file)")
+            size = st.st_size
             if byte_range is None:
                 start, end = 0, size
             else:

@@ -24,15 +24,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 from ckptstore.errors import PayloadTooLarge, StorageUnavailable
 
 from .base import BlobNotFound, BlobStore, Buffer, check_key
 from .local import check_range
-
-if TYPE_CHECKING:
-    from botocore.client import BaseClient
 
 __all__ = ["MAX_PART_SIZE", "MIN_PART_SIZE", "OpenUpload", "S3BlobStore"]
 
@@ -50,6 +47,7 @@ _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 # Whole-read attempts when the object changes under a multi-request read.
 _READ_ATTEMPTS = 3
 
+
 @dataclass(frozen=True)
 class OpenUpload:
     """A multipart upload that was started and neither completed nor aborted."""
@@ -64,6 +62,12 @@ class _Piece:
     data: bytes
     total: int  # size of the whole object
     etag: str
+
+
+class _Part(NamedTuple):
+    number: int
+    etag: str
+    crc32: str  # "" when not used
 
 
 class _RangeNotSatisfiable(Exception):
@@ -104,9 +108,7 @@ class S3BlobStore(BlobStore):
             import boto3.session
             from botocore.config import Config
         except ImportError as exc:
-            raise ImportError(
-                "the S3 blob store needs boto3: pip install 'ckptstore[s3]'"
-            ) from exc
+            raise ImportError("the S3 blob store needs boto3: pip install 'ckptstore[s3]'") from exc
         if not bucket or "/" in bucket:
             raise ValueError(f"invalid bucket name {bucket!r}")
         if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE:
@@ -129,16 +131,16 @@ class S3BlobStore(BlobStore):
             max_pool_connections=max(10, 4 * max_concurrency + 2),
             s3={"addressing_style": "path" if path_style else "auto"},
         )
-        self._client: BaseClient = boto3.session.Session().client(
+        self._client = boto3.session.Session().client(
             "s3", endpoint_url=endpoint_url, config=config
         )
         self.endpoint_url: str = self._client.meta.endpoint_url
-        # Mirror s3transfer: with botocore's default integrity protection, multipart uploads
-        # carry a CRC32 per part, which CompleteMultipartUpload must then list.
-        self._part_checksum = (
-            "CRC32" if self._client.meta.config.request_checksum_calculation == "when_supported"
-            else None
-        )
+        # Mirror s3transfer: under botocore's default integrity protection ("when_supported")
+        # a multipart upload declares CRC32, each part carries one and the completion lists
+        # them. AWS_REQUEST_CHECKSUM_CALCULATION=when_required turns it off for stores that
+        # reject checksum headers.
+        calculation = getattr(self._client.meta.config, "request_checksum_calculation", None)
+        self._crc32_parts = calculation == "when_supported"
         if create_bucket:
             self._ensure_bucket()
 
@@ -192,11 +194,13 @@ class S3BlobStore(BlobStore):
                 if _status(exc) != 404:
                     raise
             region = self._client.meta.region_name
-            kwargs = {}
-            if region and region != "us-east-1":
-                kwargs["CreateBucketConfiguration"] = {"LocationConstraint": region}
             try:
-                self._client.create_bucket(Bucket=self.bucket, **kwargs)
+                if region and region != "us-east-1":
+                    self._client.create_bucket(
+                        Bucket=self.bucket, CreateBucketConfiguration={"LocationConstraint": region}
+                    )
+                else:
+                    self._client.create_bucket(Bucket=self.bucket)
             except ClientError as exc:
                 # Another replica may have won the race.
                 if _code(exc) != "BucketAlreadyOwnedByYou":
@@ -220,16 +224,16 @@ class S3BlobStore(BlobStore):
                     view = view[take:]
                     if upload is None:
                         upload = _MultipartUpload(self, key, full)
-                    upload.add_part(buf)
+                    upload.add_part(bytes(buf))
                     buf = bytearray()
                     part_size = upload.next_part_size()
                 buf += view
             if upload is None:
                 with self._errors("put", key):
-                    self._client.put_object(Bucket=self.bucket, Key=full, Body=buf)
+                    self._client.put_object(Bucket=self.bucket, Key=full, Body=bytes(buf))
             else:
                 if buf:
-                    upload.add_part(buf)
+                    upload.add_part(bytes(buf))
                 upload.complete()
         except BaseException:
             # Also when the caller's iterable raises or is closed: nothing may stay behind.
@@ -303,13 +307,16 @@ class S3BlobStore(BlobStore):
             ResponseStreamingError,
         )
 
-        extra = {"IfMatch": if_match} if if_match is not None else {}
+        span = f"bytes={start}-{end - 1}"
         for attempt in range(1, self._max_attempts + 1):
             with self._errors("get", key):
                 try:
-                    resp = self._client.get_object(
-                        Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}", **extra
-                    )
+                    if if_match is None:
+                        resp = self._client.get_object(Bucket=self.bucket, Key=full, Range=span)
+                    else:
+                        resp = self._client.get_object(
+                            Bucket=self.bucket, Key=full, Range=span, IfMatch=if_match
+                        )
                 except ClientError as exc:
                     if _status(exc) == 416 or _code(exc) == "InvalidRange":
                         raise _RangeNotSatisfiable from exc
@@ -419,24 +426,26 @@ class _MultipartUpload:
         self._store = store
         self._key = key
         self._full = full
-        self._checksum = store._part_checksum
-        extra = {"ChecksumAlgorithm": self._checksum} if self._checksum else {}
+        self._crc32 = store._crc32_parts
         with store._errors("start multipart upload of", key):
-            resp = store._client.create_multipart_upload(Bucket=store.bucket, Key=full, **extra)
+            if self._crc32:
+                resp = store._client.create_multipart_upload(
+                    Bucket=store.bucket, Key=full, ChecksumAlgorithm="CRC32"
+                )
+            else:
+                resp = store._client.create_multipart_upload(Bucket=store.bucket, Key=full)
         self._upload_id = str(resp["UploadId"])
         self._pool = ThreadPoolExecutor(
             max_workers=store.max_concurrency, thread_name_prefix="ckptstore-s3-put"
         )
-        self._pending: set[Future[dict[str, str | int]]] = set()
-        self._parts: list[dict[str, str | int]] = []
+        self._pending: set[Future[_Part]] = set()
+        self._parts: list[_Part] = []
         self._submitted = 0
 
     def next_part_size(self) -> int:
-        return min(
-            self._store.part_size << (self._submitted // PARTS_PER_DOUBLING), MAX_PART_SIZE
-        )
+        return min(self._store.part_size << (self._submitted // PARTS_PER_DOUBLING), MAX_PART_SIZE)
 
-    def add_part(self, data: bytearray) -> None:
+    def add_part(self, data: bytes) -> None:
         """Queue a part; blocks while ``max_concurrency`` parts are in flight."""
         if self._submitted == MAX_PARTS:
             raise PayloadTooLarge(f"blob {self._key!r} needs more than {MAX_PARTS} S3 parts")
@@ -456,35 +465,47 @@ class _MultipartUpload:
         for f in done:
             self._parts.append(f.result())
 
-    def _upload_part(self, number: int, data: bytearray) -> dict[str, str | int]:
+    def _upload_part(self, number: int, data: bytes) -> _Part:
         store = self._store
-        extra = {"ChecksumAlgorithm": self._checksum} if self._checksum else {}
         with store._errors(f"upload part {number} of", self._key):
-            resp = store._client.upload_part(
-                Bucket=store.bucket,
-                Key=self._full,
-                UploadId=self._upload_id,
-                PartNumber=number,
-                Body=data,
-                **extra,
-            )
-        part: dict[str, str | int] = {"PartNumber": number, "ETag": resp["ETag"]}
-        if self._checksum and f"Checksum{self._checksum}" in resp:
-            part[f"Checksum{self._checksum}"] = resp[f"Checksum{self._checksum}"]
-        return part
+            if self._crc32:
+                resp = store._client.upload_part(
+                    Bucket=store.bucket,
+                    Key=self._full,
+                    UploadId=self._upload_id,
+                    PartNumber=number,
+                    Body=data,
+                    ChecksumAlgorithm="CRC32",
+                )
+            else:
+                resp = store._client.upload_part(
+                    Bucket=store.bucket,
+                    Key=self._full,
+                    UploadId=self._upload_id,
+                    PartNumber=number,
+                    Body=data,
+                )
+        return _Part(number, str(resp["ETag"]), str(resp.get("ChecksumCRC32", "")))
 
     def complete(self) -> None:
         while self._pending:
             self._collect(block=True)
         self._pool.shutdown()
         store = self._store
-        parts = sorted(self._parts, key=lambda p: p["PartNumber"])
+        parts = sorted(self._parts)
         with store._errors("complete multipart upload of", self._key):
             store._client.complete_multipart_upload(
                 Bucket=store.bucket,
                 Key=self._full,
                 UploadId=self._upload_id,
-                MultipartUpload={"Parts": parts},
+                MultipartUpload={
+                    "Parts": [
+                        {"PartNumber": p.number, "ETag": p.etag, "ChecksumCRC32": p.crc32}
+                        if p.crc32
+                        else {"PartNumber": p.number, "ETag": p.etag}
+                        for p in parts
+                    ]
+                },
             )
 
     def abort(self) -> None:
@@ -499,7 +520,9 @@ class _MultipartUpload:
         except Exception:
             # The caller's original error matters more; abort_stale_uploads collects this one.
             log.warning(
-                "could not abort multipart upload %s of %r", self._upload_id, self._key,
+                "could not abort multipart upload %s of %r",
+                self._upload_id,
+                self._key,
                 exc_info=True,
             )
 

@@ -1,0 +1,39 @@
+# The two set-up commands of the README: `make serve` and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+DATA   ?= ./ckptstore-data
+
+.PHONY: setup serve test test-fast lint bench clean
+
+# torch is installed first, pinned: an unpinned torch pulls gigabytes of CUDA packages.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[server,s3,postgres,dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/ckptstore serve --host $(HOST) --port $(PORT) --data-dir $(DATA)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check client service tests bench
+	$(VENV)/bin/ruff format --check client service tests bench
+	$(VENV)/bin/mypy client/ckptstore service/ckptstore_service
+
+test: lint
+	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+bench: $(STAMP)
+	$(PY) bench/bench.py
+
+clean:
+	rm -rf $(VENV) $(DATA) .pytest_cache .mypy_cache .ruff_cache

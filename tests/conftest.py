@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from serviceproc import Service
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """A real ckptstore service (uvicorn, SQLite + local folder) shared by a test module."""
+    with Service(tmp_path_factory.mktemp("service")) as svc:
+        yield svc
+
+
+@pytest.fixture
+def make_service(tmp_path: Path) -> Iterator[Callable[..., Service]]:
+    """``make_service(env=None, data_dir=None)`` starts a service; all stop after the test."""
+    started: list[Service] = []
+
+    def make(env: dict[str, str] | None = None, data_dir: Path | None = None) -> Service:
+        svc = Service(data_dir or tmp_path / f"svc{len(started)}", env).start()
+        started.append(svc)
+        return svc
+
+    yield make
+    for svc in started:
+        svc.stop()

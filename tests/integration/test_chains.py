@@ -1,0 +1,137 @@
+"""Every checkpoint of a run reloads bit-exactly: keyframes, chain middles, cache misses."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from serviceproc import Service
+from torch import nn
+
+from ckptstore import CheckpointClient, CheckpointExists, CheckpointNotFound
+from ckptstore.state import tensor_bytes
+
+KEYFRAME_INTERVAL = 4
+
+
+def assert_identical(a: Any, b: Any, path: str = "") -> None:
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert bytes(tensor_bytes(a)) == bytes(tensor_bytes(b)), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_identical(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_identical(x, y, f"{path}/{i}")
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, float):
+        assert struct.pack("<d", a) == struct.pack("<d", b) or (math.isnan(a) and math.isnan(b))
+    else:
+        assert a == b, path
+
+
+def training_states(n: int) -> list[dict[str, Any]]:
+    """``n`` consecutive checkpoints of a real model trained with AdamW, in mixed dtypes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 64))
+    frozen = nn.Embedding(512, 64)  # never trained: its chunks should become references
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+    states = []
+    for step in range(n):
+        for _ in range(5):
+            loss = model(torch.randn(32, 64)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        sched.step()
+        states.append(
+            copy.deepcopy(
+                {
+                    "model": model.state_dict(),
+                    "frozen": frozen.state_dict(),
+                    "half": {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()},
+                    "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "rng": torch.get_rng_state(),
+                    "python_rng": random.getstate(),
+                    "step": step,
+                    "loss": loss.item(),
+                }
+            )
+        )
+    return states
+
+
+@pytest.fixture(scope="module")
+def states() -> list[dict[str, Any]]:
+    return training_states(10)
+
+
+@pytest.mark.slow
+def test_every_checkpoint_reloads_bit_exactly(
+    make_service: Callable[..., Service], states: list[dict[str, Any]], tmp_path: Any
+) -> None:
+    env = {
+        "CKPTSTORE_KEYFRAME_INTERVAL": str(KEYFRAME_INTERVAL),
+        "CKPTSTORE_CHUNK_BYTES": str(64 << 10),  # several chunks per tensor
+    }
+    data_dir = tmp_path / "data"
+    svc = make_service(env, data_dir)
+    with CheckpointClient(svc.url) as client:
+        infos = [client.save("mlp", 10 * i, s) for i, s in enumerate(states)]
+        assert [i.keyframe for i in infos] == [i % KEYFRAME_INTERVAL == 0 for i in range(10)]
+        assert [i.parent_step for i in infos] == [None] + [10 * i for i in range(9)]
+        assert max(i.chain_depth for i in infos) == KEYFRAME_INTERVAL - 1
+        assert sum(i.stored_bytes for i in infos) < 0.8 * sum(i.raw_bytes for i in infos)
+        for i, state in enumerate(states):  # decoded from storage, through the chains
+            assert_identical(client.load("mlp", 10 * i), state)
+        assert_identical(client.load("mlp"), states[-1])  # latest: from the base cache
+        listed = client.list("mlp")
+        assert [c.step for c in listed] == [10 * i for i in range(10)]
+        assert client.runs()[0].checkpoints == 10
+
+    svc.stop()  # a restart wipes the base cache: the next save must rebuild its base
+    svc = make_service(env, data_dir)
+    with CheckpointClient(svc.url) as client:
+        extra = copy.deepcopy(states[-1])
+        extra["step"] = 100
+        info = client.save("mlp", 100, extra)
+        assert info.parent_step == 90 and not info.keyframe
+        assert info.stored_bytes < info.raw_bytes / 10  # almost nothing changed
+        for i, state in enumerate(states):
+            assert_identical(client.load("mlp", 10 * i), state)
+        assert_identical(client.load("mlp", "latest"), extra)
+
+
+def test_prefix_idempotent_retry_and_conflict(service: Service, states: list[dict[str, Any]]) -> None:
+    with CheckpointClient(service.url) as client:
+        first = client.save("retry", 7, states[0])
+        again = client.save("retry", 7, states[0])  # a retry after a lost response
+        assert again == first
+        with pytest.raises(CheckpointExists):
+            client.save("retry", 7, states[1])
+        assert_identical(client.load("retry", 7), states[0])
+        model_only = client.load("retry", 7, prefix="model/")
+        assert list(model_only) == ["model"]
+        assert_identical(model_only["model"], states[0]["model"])
+        with pytest.raises(CheckpointNotFound):
+            client.load("retry", 8)
+        # an older step saved after a newer one gets the right parent, latest stays newest
+        client.save("retry", 9, states[2])
+        middle = client.save("retry", 8, states[1])
+        assert middle.parent_step == 7
+        assert_identical(client.load("retry"), states[2])
+        assert_identical(client.load("retry", 8), states[1])

@@ -1,0 +1,119 @@
+"""Chunk codec: exact round-trips, mode choice, and corruption detection."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptstore.codec import REF, chunk_step, decode_chunk, encode_chunk
+from ckptstore.errors import CorruptData
+
+rng = np.random.default_rng(1234)
+
+
+def roundtrip(raw: bytes, base: bytes | None, itemsize: int, **kw: object) -> str:
+    enc = encode_chunk(raw, base, itemsize, **kw)  # type: ignore[arg-type]
+    assert decode_chunk(enc.codec, enc.payload, base, itemsize, len(raw), enc.checksum) == raw
+    return enc.codec
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (round to nearest even), as uint16."""
+    u = x.astype(np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+def test_random_bytes_roundtrip(itemsize: int) -> None:
+    raw = rng.integers(0, 256, 300_000 - 300_000 % itemsize, dtype=np.uint8).tobytes()
+    base = rng.integers(0, 256, len(raw), dtype=np.uint8).tobytes()
+    assert roundtrip(raw, None, itemsize) == "raw/1"  # noise does not compress
+    roundtrip(raw, base, itemsize)
+
+
+def test_unchanged_chunk_is_a_reference() -> None:
+    raw = rng.standard_normal(100_000).astype(np.float32).tobytes()
+    enc = encode_chunk(raw, raw, 4)
+    assert enc.codec == REF and enc.payload == b""
+    assert decode_chunk(REF, b"", raw, 4, len(raw), enc.checksum) == raw
+    # a keyframe (delta=False) still shares unchanged chunks
+    assert encode_chunk(raw, raw, 4, delta=False).codec == REF
+
+
+def test_drifting_float32_gains_from_the_delta() -> None:
+    w = rng.standard_normal(500_000).astype(np.float32)
+    w2 = w + (rng.standard_normal(w.size) * 1e-4).astype(np.float32)
+    raw, base = w2.tobytes(), w.tobytes()
+    alone = encode_chunk(raw, None, 4)
+    delta = encode_chunk(raw, base, 4)
+    assert delta.codec.split("/")[0] in ("sub", "xor")
+    assert len(delta.payload) < 0.8 * len(alone.payload)
+    roundtrip(raw, base, 4)
+    # without delta the chunk is stored on its own and decodes without a base
+    solo = encode_chunk(raw, base, 4, delta=False)
+    assert solo.codec.startswith("none/")
+    assert decode_chunk(solo.codec, solo.payload, None, 4, len(raw), solo.checksum) == raw
+
+
+def test_drifting_bfloat16_roundtrip() -> None:
+    w = rng.standard_normal(300_000).astype(np.float32)
+    a = bf16_bits(w).tobytes()
+    b = bf16_bits(w + rng.standard_normal(w.size).astype(np.float32) * 1e-3).tobytes()
+    codec = roundtrip(b, a, 2)
+    assert "planes2" in codec
+    assert len(encode_chunk(b, a, 2).payload) < len(b)
+
+
+def test_uncompressible_planes_are_stored_raw() -> None:
+    # random mantissas, constant exponent: low planes are noise, the top plane compresses
+    x = (1.0 + rng.random(200_000)).astype(np.float32)
+    enc = encode_chunk(x.tobytes(), None, 4)
+    assert enc.codec == "none/1|planes4/1|zstd/1"
+    kinds = [enc.payload[1 + 5 * i] for i in range(4)]
+    assert kinds[:2] == [0, 0] and kinds[3] == 1
+    roundtrip(x.tobytes(), None, 4)
+
+
+def test_empty_and_tiny_chunks() -> None:
+    roundtrip(b"", None, 4)
+    roundtrip(b"\x01\x02", b"\x01\x03", 2)
+    roundtrip(b"\x00" * 8, None, 8)
+
+
+def test_corruption_is_detected() -> None:
+    w = rng.standard_normal(100_000).astype(np.float32)
+    raw, base = (w * 1.001).tobytes(), w.tobytes()
+    enc = encode_chunk(raw, base, 4)
+    bad = bytearray(enc.payload)
+    bad[len(bad) // 2] ^= 0xFF
+    with pytest.raises(CorruptData):
+        decode_chunk(enc.codec, bytes(bad), base, 4, len(raw), enc.checksum)
+    with pytest.raises(CorruptData):  # wrong base
+        decode_chunk(enc.codec, enc.payload, w[::-1].tobytes(), 4, len(raw), enc.checksum)
+    with pytest.raises(CorruptData):  # truncated
+        decode_chunk(enc.codec, enc.payload[:3], base, 4, len(raw), enc.checksum)
+    with pytest.raises(CorruptData):
+        decode_chunk("lz4/9|planes4/1|zstd/1", enc.payload, base, 4, len(raw), enc.checksum)
+    with pytest.raises(CorruptData):
+        decode_chunk("raw/1", raw, None, 4, len(raw), b"\0" * 16)
+
+
+def test_chunk_step_is_element_aligned() -> None:
+    assert chunk_step(4, 1 << 20) == 1 << 20
+    assert chunk_step(8, 100) == 96
+    assert chunk_step(8, 4) == 8
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    itemsize=st.sampled_from([1, 2, 4, 8]),
+    data=st.data(),
+)
+def test_property_roundtrip(itemsize: int, data: st.DataObject) -> None:
+    n = data.draw(st.integers(0, 2000)) * itemsize
+    raw = data.draw(st.binary(min_size=n, max_size=n))
+    base = data.draw(st.one_of(st.none(), st.binary(min_size=n, max_size=n)))
+    level = data.draw(st.sampled_from([1, 3]))
+    roundtrip(raw, base, itemsize, level=level)
