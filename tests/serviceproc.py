@@ -36,8 +36,16 @@ class Service:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ckptstore.cli", "serve", "--port", str(self.port),
-                 "--log-level", "warning"],
+                [
+                    sys.executable,
+                    "-m",
+                    "ckptstore.cli",
+                    "serve",
+                    "--port",
+                    str(self.port),
+                    "--log-level",
+                    "warning",
+                ],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

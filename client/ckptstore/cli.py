@@ -17,7 +17,9 @@ def _serve(args: argparse.Namespace) -> int:
         from ckptstore_service.app import create_app
         from ckptstore_service.settings import Settings
     except ImportError as exc:
-        print(f"the service needs its extra: pip install 'ckptstore[server]' ({exc})", file=sys.stderr)
+        print(
+            f"the service needs its extra: pip install 'ckptstore[server]' ({exc})", file=sys.stderr
+        )
         return 2
     overrides = {"data_dir": args.data_dir} if args.data_dir else {}
     settings = Settings(**overrides)
@@ -82,7 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.set_defaults(func=_serve)
 
     url = os.environ.get("CKPTSTORE_URL", "http://127.0.0.1:8000")
-    for name, func, help_ in (("runs", _runs, "list runs"), ("ls", _ls, "list a run's checkpoints")):
+    for name, func, help_ in (
+        ("runs", _runs, "list runs"),
+        ("ls", _ls, "list a run's checkpoints"),
+    ):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--url", default=url, help="service URL (env CKPTSTORE_URL)")
         if name == "ls":

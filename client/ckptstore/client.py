@@ -8,6 +8,7 @@ saves because a repeated POST of the same step with the same content is an idemp
 
 from __future__ import annotations
 
+import builtins
 import json
 import random
 import time
@@ -205,7 +206,7 @@ class CheckpointClient:
         response = self._retry(lambda: self._get(f"/v1/runs/{run}/checkpoints"))
         return [CheckpointInfo.from_json(c) for c in response.json()["checkpoints"]]
 
-    def runs(self) -> list[RunInfo]:
+    def runs(self) -> builtins.list[RunInfo]:
         """Every run with at least one committed checkpoint."""
         response = self._retry(lambda: self._get("/v1/runs"))
         return [RunInfo.from_json(r) for r in response.json()["runs"]]
@@ -219,9 +220,9 @@ class CheckpointClient:
 
     def _download(
         self, path: str, params: dict[str, str], show: bool
-    ) -> tuple[Header, list[bytearray]]:
+    ) -> tuple[Header, builtins.list[bytearray]]:
         parser = StreamParser(max_header_bytes=1 << 30)
-        buffers: list[bytearray] = []
+        buffers: builtins.list[bytearray] = []
         with self._http.stream("GET", path, params=params) as response:
             _raise_for(response)
             total = int(response.headers.get("content-length", 0))
@@ -230,9 +231,9 @@ class CheckpointClient:
                 for data in response.iter_raw(_PIECE):
                     for event in parser.feed(data):
                         if isinstance(event, TensorPiece):
-                            buffers[event.index][
-                                event.offset : event.offset + len(event.data)
-                            ] = event.data
+                            buffers[event.index][event.offset : event.offset + len(event.data)] = (
+                                event.data
+                            )
                         else:
                             buffers = [bytearray(t.nbytes) for t in event.tensors]
                     bar.update(len(data))

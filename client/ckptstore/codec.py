@@ -32,6 +32,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -53,7 +54,12 @@ Buffer = bytes | bytearray | memoryview
 REF = "ref"
 RAW = "raw/1"
 _MODES = ("none", "sub", "xor")
-_UINT = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_UINT: dict[int, np.dtype[Any]] = {
+    1: np.dtype("u1"),
+    2: np.dtype("<u2"),
+    4: np.dtype("<u4"),
+    8: np.dtype("<u8"),
+}
 _PLANE_RAW, _PLANE_ZSTD = 0, 1
 # A plane is stored raw unless zstd gets it below this fraction of its size.
 _PLANE_GAIN = 0.95
@@ -103,9 +109,8 @@ def _residual(mode: str, raw: np.ndarray, base: np.ndarray | None) -> np.ndarray
     """``raw`` and ``base`` are unsigned-int views of the same length."""
     if mode == "none" or base is None:
         return raw
-    if mode == "sub":
-        return np.subtract(raw, base)  # unsigned: wraps modulo 2**bits
-    return np.bitwise_xor(raw, base)
+    out: np.ndarray = np.subtract(raw, base) if mode == "sub" else np.bitwise_xor(raw, base)
+    return out  # unsigned: subtraction wraps modulo 2**bits
 
 
 def _planes(values: np.ndarray, itemsize: int) -> list[np.ndarray]:
@@ -129,7 +134,7 @@ def _plane_sizes(planes: Sequence[np.ndarray], level: int) -> list[int]:
     cctx = _cctx(level)
     sizes = []
     for plane in planes:
-        n = len(cctx.compress(plane))
+        n = len(cctx.compress(plane.data))
         sizes.append(n if n < _PLANE_GAIN * len(plane) else len(plane))
     return sizes
 
@@ -163,7 +168,9 @@ def encode_chunk(
     """
     digest = checksum(raw)
     if len(raw) % itemsize:
-        raise ValueError(f"chunk of {len(raw)} bytes is not a whole number of {itemsize}-byte items")
+        raise ValueError(
+            f"chunk of {len(raw)} bytes is not a whole number of {itemsize}-byte items"
+        )
     if base is not None and len(base) != len(raw):
         raise ValueError("base chunk length differs from the chunk")
     if base is not None and memoryview(raw).cast("B") == memoryview(base).cast("B"):
@@ -178,13 +185,13 @@ def encode_chunk(
     mode, compress = _choose(raw_v, base_v, itemsize, level)
     planes = _planes(_residual(mode, raw_v, base_v), itemsize)
     cctx = _cctx(level)
-    table = [struct.pack("<B", len(planes))]
+    table: list[Buffer] = [struct.pack("<B", len(planes))]
     bodies: list[Buffer] = []
     for plane, want in zip(planes, compress, strict=True):
         body: Buffer = plane.data
         kind = _PLANE_RAW
         if want:
-            packed = cctx.compress(plane)
+            packed = cctx.compress(plane.data)
             if len(packed) < len(plane):
                 body, kind = packed, _PLANE_ZSTD
         table.append(struct.pack("<BI", kind, len(body)))
@@ -263,12 +270,12 @@ def _decode_planes(
     uint = _UINT[itemsize]
     residual = values.reshape(-1).view(uint)
     if mode == "none":
-        return residual.tobytes()
+        return bytes(residual.tobytes())
     if base is None:
         raise CorruptData(f"{mode} chunk without a base")
     base_v = np.frombuffer(base, dtype=uint)
     if len(base_v) != len(residual):
         raise CorruptData("base chunk length differs from the chunk")
     if mode == "sub":
-        return np.add(residual, base_v).tobytes()
-    return np.bitwise_xor(residual, base_v).tobytes()
+        return bytes(np.add(residual, base_v).tobytes())
+    return bytes(np.bitwise_xor(residual, base_v).tobytes())

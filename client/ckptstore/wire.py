@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ckptstore.errors import InvalidStream, PayloadTooLarge, UnsupportedDtype
@@ -228,12 +228,12 @@ class StreamParser:
             if self._pos == spec.end:
                 self._tensor += 1
                 # skip empty tensors so that the "too long" check above sees the true end
-                while self._tensor < len(header.tensors) and not header.tensors[
-                    self._tensor
-                ].nbytes:
+                while (
+                    self._tensor < len(header.tensors) and not header.tensors[self._tensor].nbytes
+                ):
                     self._tensor += 1
 
-    def _feed_header(self, view: memoryview) -> Iterator[Header]:
+    def _feed_header(self, view: memoryview) -> Generator[Header, None, memoryview]:
         if self._header_len is None:
             need = 8 - len(self._buf)
             self._buf += view[:need]

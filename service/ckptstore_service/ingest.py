@@ -108,7 +108,9 @@ def read_header(parser: StreamParser, body: Iterator[bytes]) -> tuple[Header, li
             assert isinstance(header, Header)
             pieces = [e for e in events[1:] if isinstance(e, TensorPiece)]
             # copy: the pieces view ``data``, which the caller does not keep alive
-            return header, [TensorPiece(p.index, p.offset, memoryview(bytes(p.data))) for p in pieces]
+            return header, [
+                TensorPiece(p.index, p.offset, memoryview(bytes(p.data))) for p in pieces
+            ]
     parser.close()  # raises: the stream ended inside the header
     raise AssertionError("unreachable")
 
@@ -386,7 +388,9 @@ def _store(
                     cache_fd,
                     spec.begin + begin,
                 )
-                pending.append(_Pending(piece.index, begin, end - begin, spec.itemsize, base, future))
+                pending.append(
+                    _Pending(piece.index, begin, end - begin, spec.itemsize, base, future)
+                )
                 buf = bytearray()
                 drain(max_pending)
         drain(0)

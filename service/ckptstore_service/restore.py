@@ -94,7 +94,9 @@ def _verified(tensors: list[TensorInfo], pieces: Iterator[tuple[int, bytes]]) ->
             raise CorruptData(f"tensor {t.name!r} does not match its checksum")
 
 
-def _data(rt: Runtime, info: CheckpointInfo, tensors: list[TensorInfo]) -> Iterator[tuple[int, bytes]]:
+def _data(
+    rt: Runtime, info: CheckpointInfo, tensors: list[TensorInfo]
+) -> Iterator[tuple[int, bytes]]:
     fd = rt.cache.open(info.run, info.id)
     if fd is not None:
         return _from_cache(fd, tensors)

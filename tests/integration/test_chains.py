@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from serviceproc import Service
 from torch import nn
 
 from ckptstore import CheckpointClient, CheckpointExists, CheckpointNotFound
 from ckptstore.state import tensor_bytes
+from serviceproc import Service
 
 KEYFRAME_INTERVAL = 4
 
@@ -116,7 +116,9 @@ def test_every_checkpoint_reloads_bit_exactly(
         assert_identical(client.load("mlp", "latest"), extra)
 
 
-def test_prefix_idempotent_retry_and_conflict(service: Service, states: list[dict[str, Any]]) -> None:
+def test_prefix_idempotent_retry_and_conflict(
+    service: Service, states: list[dict[str, Any]]
+) -> None:
     with CheckpointClient(service.url) as client:
         first = client.save("retry", 7, states[0])
         again = client.save("retry", 7, states[0])  # a retry after a lost response

@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from serviceproc import Service
 
 from ckptstore import CheckpointClient
+from serviceproc import Service
 
 GiB = 1 << 30
 MiB = 1 << 20

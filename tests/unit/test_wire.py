@@ -117,10 +117,22 @@ def _raw_header(obj: object) -> bytes:
         (struct.pack("<Q", 10) + b"{}", InvalidStream),  # ends inside the header
         (struct.pack("<Q", 4) + b"nope", InvalidStream),
         (_raw_header([1, 2]), InvalidStream),
-        (_raw_header({"x": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}}), UnsupportedDtype),
-        (_raw_header({"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}), InvalidStream),
-        (_raw_header({"x": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}), InvalidStream),
-        (_raw_header({"x": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}}), InvalidStream),
+        (
+            _raw_header({"x": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}}),
+            UnsupportedDtype,
+        ),
+        (
+            _raw_header({"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}),
+            InvalidStream,
+        ),
+        (
+            _raw_header({"x": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}),
+            InvalidStream,
+        ),
+        (
+            _raw_header({"x": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}}),
+            InvalidStream,
+        ),
         (_raw_header({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}), InvalidStream),
         (_raw_header({"x": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}), InvalidStream),
         (_raw_header({"x": {"dtype": "F32", "shape": [1]}}), InvalidStream),
@@ -136,9 +148,21 @@ def _raw_header(obj: object) -> bytes:
         (_raw_header({"__metadata__": {"a": 1}}), InvalidStream),
     ],
     ids=[
-        "short-prefix", "huge-header", "tiny-header", "ends-in-header", "not-json", "not-object",
-        "unknown-dtype", "negative-dim", "bool-dim", "float-dim", "size-mismatch", "gap",
-        "missing-key", "overlap", "bad-metadata",
+        "short-prefix",
+        "huge-header",
+        "tiny-header",
+        "ends-in-header",
+        "not-json",
+        "not-object",
+        "unknown-dtype",
+        "negative-dim",
+        "bool-dim",
+        "float-dim",
+        "size-mismatch",
+        "gap",
+        "missing-key",
+        "overlap",
+        "bad-metadata",
     ],
 )
 def test_rejects_malformed(body: bytes, error: type[Exception]) -> None:

@@ -179,7 +179,9 @@ class Catalog:
             if not self.is_postgres:
                 yield True
                 return
-            key = int.from_bytes(hashlib.blake2b(run.encode(), digest_size=8).digest(), "big", signed=True)
+            key = int.from_bytes(
+                hashlib.blake2b(run.encode(), digest_size=8).digest(), "big", signed=True
+            )
             with self._translate(), self.engine.connect() as conn:
                 if blocking:
                     conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
@@ -382,7 +384,9 @@ class Catalog:
                     )
                 )
         except IntegrityError as exc:
-            raise CheckpointExists(f"checkpoint {checkpoint_id} was committed concurrently") from exc
+            raise CheckpointExists(
+                f"checkpoint {checkpoint_id} was committed concurrently"
+            ) from exc
 
     def abort_upload(self, checkpoint_id: int) -> None:
         with self._session() as s:
