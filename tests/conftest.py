@@ -4,8 +4,25 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
+from pg import pg_database
 from serviceproc import Service
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty database on each backend: SQLite and the real PostgreSQL."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'catalog.sqlite3'}"
+    else:
+        with pg_database() as url:
+            yield url
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh database on the real PostgreSQL server."""
+    with pg_database() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

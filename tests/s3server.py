@@ -16,6 +16,7 @@ Failure to start raises, so tests that depend on it fail rather than skip.
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import subprocess
@@ -100,6 +101,7 @@ def _start_child(timeout_s: float) -> tuple[str, Callable[[], None]]:
 def _start_thread(timeout_s: float) -> tuple[str, Callable[[], None]]:
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     # start() waits forever if the socket cannot be bound; give it a deadline.
     starter = threading.Thread(target=server.start, daemon=True)

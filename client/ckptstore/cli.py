@@ -33,6 +33,23 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _db(args: argparse.Namespace) -> int:
+    from ckptstore_service.catalog import Catalog
+    from ckptstore_service.settings import Settings
+
+    settings = Settings()
+    catalog = Catalog(args.database_url or settings.resolved_database_url())
+    try:
+        if args.action == "upgrade":
+            if catalog.url.startswith("sqlite"):
+                settings.data_dir.mkdir(parents=True, exist_ok=True)
+            catalog.upgrade()
+        print(f"schema revision: {catalog.revision() or 'none'}")
+    finally:
+        catalog.close()
+    return 0
+
+
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from ckptstore.client import CheckpointClient
 
@@ -82,6 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--data-dir", help="folder for the embedded SQLite + blobs + cache")
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
+
+    db = sub.add_parser("db", help="database schema: upgrade to the newest revision, or show it")
+    db.add_argument("action", choices=["upgrade", "current"])
+    db.add_argument("--database-url", help="default: CKPTSTORE_DATABASE_URL or the SQLite file")
+    db.set_defaults(func=_db)
 
     url = os.environ.get("CKPTSTORE_URL", "http://127.0.0.1:8000")
     for name, func, help_ in (

@@ -423,15 +423,19 @@ def flatten(state: object) -> FlatState:
     exactly: sets, complex numbers, arbitrary objects, subclasses of the supported types,
     sparse/quantized/nested/meta tensors, tensor dtypes without a wire code. ``ValueError``
     for a container that contains itself.
+
+    Tensor subclasses (``nn.Parameter``) are flattened as their data and come back as plain
+    tensors; ``requires_grad`` is not kept. A container reached twice is written twice: only
+    tensors keep their sharing.
     """
     flattener = _Flattener()
     try:
         root = flattener.node(state, "", root=True)
+        skeleton = json.dumps(
+            {"v": SKELETON_VERSION, "root": root}, separators=(",", ":"), allow_nan=False
+        )
     except RecursionError:
         raise ValueError("state is nested too deeply") from None
-    skeleton = json.dumps(
-        {"v": SKELETON_VERSION, "root": root}, separators=(",", ":"), allow_nan=False
-    )
     return FlatState(tensors=flattener.tensors, skeleton=skeleton)
 
 

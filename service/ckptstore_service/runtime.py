@@ -54,7 +54,10 @@ class Runtime:
     def open(cls, settings: Settings) -> Runtime:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         catalog = Catalog(settings.resolved_database_url())
-        catalog.create_schema()
+        if settings.auto_migrate:
+            catalog.upgrade()
+        elif catalog.revision() is None:
+            raise RuntimeError("the database has no schema: run `ckptstore db upgrade` first")
         store = open_blob_store(
             settings.resolved_blob_url(),
             s3_endpoint_url=settings.s3_endpoint_url,

@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     cache_bytes: int = Field(
         default=8 * GiB, ge=0, description="Disk budget of the base cache (LRU by run)."
     )
+    auto_migrate: bool = Field(
+        default=True,
+        description="Upgrade the database schema at start-up (else run `ckptstore db upgrade`).",
+    )
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_path_style: bool = False

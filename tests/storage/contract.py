@@ -84,6 +84,17 @@ class BlobStoreContract:
         assert store.put_stream("runs/r/big", pieces(big, piece_size)) == len(big)
         assert store.get("runs/r/big") == big
 
+    def test_producer_may_reuse_its_buffer(self, store: BlobStore, big: bytes) -> None:
+        def produce() -> Iterator[memoryview]:
+            buf = bytearray(MiB)
+            for piece in pieces(big, MiB):
+                buf[: len(piece)] = piece
+                yield memoryview(buf)[: len(piece)]
+                buf[:] = bytes(MiB)  # scribble over what was just handed out
+
+        assert store.put_stream("k", produce()) == len(big)
+        assert store.get("k") == big
+
     def test_one_huge_piece(self, store: BlobStore, big: bytes) -> None:
         assert store.put_stream("k", [memoryview(big)]) == len(big)
         assert store.get("k") == big

@@ -50,6 +50,7 @@ def test_temp_files_are_not_keys(tmp_path: Path) -> None:
     store.put_stream("k", [b"v"])
     assert list(store.iter_keys()) == ["k"]
     assert list(store.iter_keys(".")) == []
+    assert list(store.iter_keys(".tmp/")) == []
 
 
 @pytest.mark.parametrize("key", ["../x", "../../etc/passwd", ".tmp/x", ".tmp"])

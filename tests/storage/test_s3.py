@@ -5,7 +5,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -157,7 +157,7 @@ def test_unreachable_endpoint_fails_fast() -> None:
         read_timeout=0.5,
         max_attempts=1,
     )
-    calls = [
+    calls: list[Callable[[], object]] = [
         lambda: store.put_stream("k", [b"small"]),
         lambda: store.put_stream("k", pieces(b"x" * (6 * MiB), MiB)),
         lambda: store.get("k"),

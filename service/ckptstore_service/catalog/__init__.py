@@ -3,23 +3,37 @@
 No HTTP and no blob I/O here. Every method opens a short transaction and returns plain frozen
 dataclasses, never ORM objects, so callers hold no session across a long upload.
 
-Writers to one run are serialized by :meth:`Catalog.run_lock`: a process-local lock, plus on
-PostgreSQL a session advisory lock on the run name, so replicas sharing the database queue up
-too. The lock is held for a whole upload; it is released by the database if the process dies.
+Writers to one run are serialized by :meth:`Catalog.run_lock`, held for a whole upload: on
+PostgreSQL a session advisory lock on the run name (replicas sharing the database queue up; the
+server releases it if the holder dies), on SQLite an flock beside the database file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
+import os
 import threading
+from pathlib import Path
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, delete, event, func, insert, select, text, update
+from sqlalchemy import (
+    Engine,
+    create_engine,
+    make_url,
+    delete,
+    event,
+    func,
+    insert,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
@@ -32,7 +46,6 @@ from ckptstore.errors import (
 from ckptstore_service.catalog.models import (
     COMMITTED,
     WRITING,
-    Base,
     Checkpoint,
     Chunk,
     Run,
@@ -129,6 +142,8 @@ class Catalog:
             event.listen(self.engine, "connect", _sqlite_pragmas)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._locks: dict[str, threading.Lock] = {}
+        database = make_url(url).database if url.startswith("sqlite") else None
+        self._lock_dir = Path(database + ".locks") if database and database != ":memory:" else None
         self._locks_guard = threading.Lock()
 
     def close(self) -> None:
@@ -138,9 +153,29 @@ class Catalog:
         with self._session() as s:
             s.execute(text("SELECT 1"))
 
-    def create_schema(self) -> None:
-        with self._translate():
-            Base.metadata.create_all(self.engine)
+    def upgrade(self) -> None:
+        """Bring the schema to the newest Alembic revision (idempotent).
+
+        On PostgreSQL an advisory lock keeps replicas that start together from migrating
+        at the same time.
+        """
+        from alembic import command
+        from alembic.config import Config
+
+        config = Config()
+        config.set_main_option("script_location", str(Path(__file__).with_name("migrations")))
+        with self._translate(), self.engine.begin() as conn:
+            if self.is_postgres:
+                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _MIGRATION_LOCK})
+            config.attributes["connection"] = conn
+            command.upgrade(config, "head")
+
+    def revision(self) -> str | None:
+        """The schema's current Alembic revision (None before the first upgrade)."""
+        from alembic.runtime.migration import MigrationContext
+
+        with self._translate(), self.engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
 
     # -- sessions and locks --------------------------------------------------------------
 
@@ -166,39 +201,59 @@ class Catalog:
 
     @contextlib.contextmanager
     def run_lock(self, run: str, *, blocking: bool = True) -> Iterator[bool]:
-        """Serialize writers of ``run`` (in this process and, on PostgreSQL, across replicas).
+        """Serialize writers of ``run``: threads, processes and replicas.
 
-        Yields True when the lock is held; with ``blocking=False`` yields False instead of
-        waiting when another writer holds it.
+        PostgreSQL: a session advisory lock on the run (released by the server if the holder
+        dies). SQLite file: an flock on a file beside the database. In-memory SQLite: a
+        thread lock. Yields True when held; with ``blocking=False`` yields False at once
+        instead of waiting when another writer holds it.
         """
-        local = self._local_lock(run)
-        if not local.acquire(blocking=blocking):
-            yield False
-            return
+        if self.is_postgres:
+            with self._pg_lock(run, blocking) as held:
+                yield held
+        elif self._lock_dir is not None:
+            with self._file_lock(run, blocking) as held:
+                yield held
+        else:
+            local = self._local_lock(run)
+            held = local.acquire(blocking=blocking)
+            try:
+                yield held
+            finally:
+                if held:
+                    local.release()
+
+    @contextlib.contextmanager
+    def _pg_lock(self, run: str, blocking: bool) -> Iterator[bool]:
+        key = int.from_bytes(
+            hashlib.blake2b(run.encode(), digest_size=8).digest(), "big", signed=True
+        )
+        fn = "pg_advisory_lock" if blocking else "pg_try_advisory_lock"
+        with self._translate(), self.engine.connect() as conn:
+            got = conn.execute(text(f"SELECT {fn}(:k)"), {"k": key}).scalar()
+            held = blocking or bool(got)
+            conn.commit()
+            try:
+                yield held
+            finally:
+                if held:
+                    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                    conn.commit()
+
+    @contextlib.contextmanager
+    def _file_lock(self, run: str, blocking: bool) -> Iterator[bool]:
+        assert self._lock_dir is not None
+        self._lock_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self._lock_dir / f"{run}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if not self.is_postgres:
-                yield True
-                return
-            key = int.from_bytes(
-                hashlib.blake2b(run.encode(), digest_size=8).digest(), "big", signed=True
-            )
-            with self._translate(), self.engine.connect() as conn:
-                if blocking:
-                    conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
-                    got = True
-                else:
-                    got = bool(
-                        conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar()
-                    )
-                conn.commit()
-                try:
-                    yield got
-                finally:
-                    if got:
-                        conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
-                        conn.commit()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+                held = True
+            except BlockingIOError:
+                held = False
+            yield held
         finally:
-            local.release()
+            os.close(fd)  # releases the flock
 
     # -- runs and checkpoints ------------------------------------------------------------
 
@@ -475,6 +530,9 @@ class Catalog:
             known.update(found)
             missing = {c.base_id for c in found.values() if c.base_id is not None} - known.keys()
         return known
+
+
+_MIGRATION_LOCK = 0x636B7074  # "ckpt"
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

@@ -95,7 +95,10 @@ class TensorRow(Base):
 
 class Chunk(Base):
     __tablename__ = "chunks"
-    __table_args__ = (Index("ix_chunks_checkpoint", "checkpoint_id", "tensor_idx", "offset"),)
+    __table_args__ = (
+        Index("ix_chunks_checkpoint", "checkpoint_id", "tensor_idx", "offset"),
+        Index("ix_chunks_base", "base_id"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))

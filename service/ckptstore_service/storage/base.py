@@ -8,13 +8,18 @@ Contract (every backend, checked by tests/storage/contract.py):
 
 * ``put_stream(key, chunks)`` consumes an iterable of bytes-like pieces and stores their
   concatenation. It is atomic: until it returns, ``exists(key)`` is False and ``get`` raises
-  ``BlobNotFound``; if it raises (or the iterable raises), nothing is left visible and any
-  partial state (temp file, multipart upload) is cleaned up. It returns the blob's size.
-  Writing an existing key replaces it atomically.
-* ``get(key, byte_range=None)`` returns the whole blob or ``[start, end)`` of it. A range that
-  ends past the blob raises ``ValueError``; a missing key raises ``BlobNotFound``.
+  ``BlobNotFound``; if it raises (or the iterable raises, even a ``BaseException``), nothing is
+  left visible and any partial state (temp file, multipart upload) is cleaned up; the
+  iterable's own exception propagates unchanged. It returns the blob's size. Writing an
+  existing key replaces it atomically: readers see the old blob or the new one, never a mix.
+  The store copies what it keeps, so a producer may reuse a piece's buffer once it is consumed.
+* ``get(key, byte_range=None)`` returns the whole blob or ``[start, end)`` of it. A missing key
+  raises ``BlobNotFound`` whatever the range. ``start < 0`` or ``end < start``, or a range that
+  ends past the blob, raises ``ValueError``; an empty range inside the blob is ``b""``.
 * ``exists(key)``; ``delete(key)`` is idempotent (deleting a missing key is not an error).
-* ``iter_keys(prefix)`` yields the keys of committed blobs that start with ``prefix``, sorted.
+* ``iter_keys(prefix)`` yields the keys of committed blobs that start with ``prefix`` (a plain
+  string prefix, not a folder), sorted by code point (S3's listing order).
+* Every method but ``iter_keys`` raises ``ValueError`` for a key ``check_key`` rejects.
 * Backend failures (unreachable, throttled past retries) raise
   ``ckptstore.errors.StorageUnavailable`` translated with ``raise ... from exc``.
 

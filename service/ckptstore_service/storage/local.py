@@ -155,12 +155,10 @@ class LocalBlobStore(BlobStore):
     def iter_keys(self, prefix: str = "") -> Iterator[str]:
         # Only walk the folder the prefix pins down; a prefix with '..' or '//' matches no key.
         head, _, _ = prefix.rpartition("/")
-        if head:
-            try:
-                check_key(head)
-            except ValueError:
-                return
-        start = self.root / head if head else self.root
+        try:
+            start = self._path(head) if head else self.root
+        except ValueError:
+            return
         keys: list[str] = []
         for dirpath, dirnames, filenames in os.walk(start):
             rel = os.path.relpath(dirpath, self.root)
