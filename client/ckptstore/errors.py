@@ -15,7 +15,9 @@ the same class, so ``except CheckpointNotFound`` works on both sides of the wire
     ├── PayloadTooLarge           413 payload_too_large header or body over the limits
     ├── CorruptData               500 corrupt_data      checksum mismatch on read
     ├── InternalError             500 internal_error    a bug: anything not translated
-    └── StorageUnavailable        503 storage_unavailable blob store or database unreachable
+    ├── StorageUnavailable        503 storage_unavailable blob store or database unreachable
+    └── ServiceUnavailable        503 service_unavailable client side: the service cannot
+                                                          be reached (after retries)
 
 This module is stdlib-only: the service imports it without pulling torch.
 """
@@ -33,6 +35,7 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "RunNotFound",
+    "ServiceUnavailable",
     "StorageUnavailable",
     "UnsupportedDtype",
     "error_from_code",
@@ -102,6 +105,11 @@ class InternalError(CkptStoreError):
 
 class StorageUnavailable(CkptStoreError):
     code = "storage_unavailable"
+    status = 503
+
+
+class ServiceUnavailable(CkptStoreError):
+    code = "service_unavailable"
     status = 503
 
 

@@ -118,6 +118,23 @@ def test_upload_streams_with_bounded_parts_in_flight(s3_endpoint: str) -> None:
     assert max(ahead) <= (2 + 1) * store.part_size + MiB
 
 
+def test_failed_part_aborts_the_upload(s3_endpoint: str) -> None:
+    from botocore.exceptions import EndpointConnectionError
+
+    store = new_store(s3_endpoint)
+
+    def fail_part_3(params: dict[str, Any], **_: Any) -> None:
+        if params["PartNumber"] == 3:
+            raise EndpointConnectionError(endpoint_url=s3_endpoint)
+
+    store._client.meta.events.register("provide-client-params.s3.UploadPart", fail_part_3)
+    data = os.urandom(30 * MiB)
+    with pytest.raises(StorageUnavailable, match="upload part 3"):
+        store.put_stream("k", pieces(data, MiB))
+    assert not store.exists("k")
+    assert store.list_open_uploads() == []
+
+
 def test_abort_stale_uploads(s3_endpoint: str) -> None:
     store = new_store(s3_endpoint, prefix="svc")
     raw = boto3.session.Session().client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")

@@ -179,8 +179,9 @@ class LocalBlobStore(BlobStore):
     def collect_temp(self, older_than_s: float) -> int:
         """Delete temp files not written to for ``older_than_s`` seconds; returns how many.
 
-        These are the orphans of writes cut short by a crash. A write in progress touches its
-        file's mtime with every piece, so only a writer stalled that long could be affected.
+        These are the orphans of writes cut short by a crash. A write in progress updates its
+        file's mtime every few KiB it writes, so only a writer stalled that long is affected
+        (its ``put_stream`` then fails with ``StorageUnavailable``).
         """
         cutoff = time.time() - older_than_s
         removed = 0

@@ -3,10 +3,12 @@
 A blob ``key`` is the object ``<prefix>/<key>`` in ``bucket``.
 
 Writes stream: incoming pieces are cut into parts that are uploaded by a small thread pool while
-the caller is still producing, with at most ``max_concurrency`` parts in flight, so memory stays
-at ``(max_concurrency + 1) * part_size`` whatever the blob's size. The object only appears when
-CompleteMultipartUpload succeeds; any failure aborts the upload. A blob smaller than one part is
-one PutObject. Uploads orphaned by a crashed process are listed by ``list_open_uploads`` and
+the caller is still producing. At most ``max_concurrency`` parts are in flight and the producer
+waits for a free slot, so a write holds about ``(max_concurrency + 2) * part_size`` bytes (parts
+in flight, one waiting, one filling). Past 1,000 parts (8 GiB at the default part size) parts
+double in size every 1,000 parts to stay within S3's 10,000-part limit. The object only appears
+when CompleteMultipartUpload succeeds; any failure aborts the upload. A blob smaller than one
+part is one PutObject. Uploads orphaned by a crashed process are listed by ``list_open_uploads`` and
 removed by ``abort_stale_uploads`` (or by a bucket lifecycle rule).
 
 Reads of more than two parts fetch part-sized ranges in parallel, pinned to the first response's
@@ -224,8 +226,10 @@ class S3BlobStore(BlobStore):
                     view = view[take:]
                     if upload is None:
                         upload = _MultipartUpload(self, key, full)
-                    upload.add_part(bytes(buf))
-                    buf = bytearray()
+                    # Drop the filled buffer before add_part blocks: one copy held, not two.
+                    data, buf = bytes(buf), bytearray()
+                    upload.add_part(data)
+                    del data
                     part_size = upload.next_part_size()
                 buf += view
             if upload is None:

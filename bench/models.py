@@ -1,0 +1,322 @@
+"""The benchmark's training runs: small transformers trained for real on synthetic data.
+
+Each ``run_*`` function trains deterministically (fixed seeds, fixed data) and returns the
+checkpoints it took, one every ``every`` optimizer steps, as independent deep copies of
+``{"model", "optimizer", "scheduler", "rng", "step"}`` (plus ``"master"`` for bf16), so every
+storage method later sees exactly the same states. Nothing here is timed.
+
+Data: a fixed random Markov chain over the vocabulary (each token has a handful of likely
+successors), so the models have structure to learn and their weights move the way a real
+training run's do, not the way random noise does.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Size", "SIZES", "run_gpt_fp32", "run_gpt_bf16", "run_finetune"]
+
+State = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Size:
+    vocab: int
+    dim: int
+    layers: int
+    heads: int
+    seq: int
+    batch: int
+    pretrain_steps: int  # fine-tune run only: unmeasured pretraining before it
+
+
+SIZES = {
+    # ~5.8M parameters (GPT), ~7.4M (encoder); about 0.3-0.5 s per step on 2 cores
+    "full": Size(vocab=2048, dim=256, layers=6, heads=4, seq=64, batch=8, pretrain_steps=300),
+    # small enough for a smoke run of the whole pipeline in a couple of minutes
+    "quick": Size(vocab=512, dim=128, layers=2, heads=4, seq=32, batch=8, pretrain_steps=60),
+}
+
+
+# -- data ---------------------------------------------------------------------------------
+
+
+def markov_chain(vocab: int, seed: int, successors: int = 8) -> torch.Tensor:
+    """A row-stochastic transition matrix: each token has ``successors`` likely next tokens."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.full((vocab, vocab), 1e-3 / vocab)
+    nxt = torch.randint(0, vocab, (vocab, successors), generator=g)
+    weights = torch.rand(vocab, successors, generator=g) ** 2 + 0.05
+    probs.scatter_add_(1, nxt, weights)
+    return probs / probs.sum(1, keepdim=True)
+
+
+def sample_chain(probs: torch.Tensor, n: int, length: int, seed: int) -> torch.Tensor:
+    """``n`` sequences of ``length`` tokens drawn from the chain (vectorised over sequences)."""
+    g = torch.Generator().manual_seed(seed)
+    cum = probs.cumsum(1)
+    cum[:, -1] = 1.0
+    out = torch.empty(n, length, dtype=torch.long)
+    out[:, 0] = torch.randint(0, probs.shape[0], (n,), generator=g)
+    for t in range(1, length):
+        u = torch.rand(n, 1, generator=g)
+        out[:, t] = torch.searchsorted(cum[out[:, t - 1]], u).squeeze(1).clamp_(max=probs.shape[0] - 1)
+    return out
+
+
+# -- models -------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, causal: bool, dropout: float) -> None:
+        super().__init__()
+        self.heads, self.causal, self.dropout = heads, causal, dropout
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        att = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=self.causal,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
+        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, s, d)))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class Transformer(nn.Module):
+    """Decoder-only (``causal=True``, GPT) or encoder (BERT-like) trunk with a linear head."""
+
+    def __init__(self, size: Size, causal: bool, out: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(size.vocab, size.dim)
+        self.pos = nn.Embedding(size.seq, size.dim)
+        self.blocks = nn.ModuleList(
+            Block(size.dim, size.heads, causal, dropout) for _ in range(size.layers)
+        )
+        self.ln_f = nn.LayerNorm(size.dim)
+        self.head = nn.Linear(size.dim, out)
+        self.apply(_init)
+
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1]))
+        for block in self.blocks:
+            h = block(h)
+        return self.ln_f(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(x))
+
+
+def _init(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear | nn.Embedding):
+        nn.init.normal_(m.weight, std=0.02)
+    if isinstance(m, nn.Linear) and m.bias is not None:
+        nn.init.zeros_(m.bias)
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / total)))
+
+    return f
+
+
+def _batch(data: torch.Tensor, batch: int, g: torch.Generator) -> torch.Tensor:
+    return data[torch.randint(0, data.shape[0], (batch,), generator=g)]
+
+
+def _snapshot(state: State) -> State:
+    return copy.deepcopy(state)
+
+
+# -- runs ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    name: str
+    params: int
+    checkpoints: list[tuple[int, State]]
+    losses: list[float]
+    train_s: float
+
+
+def run_gpt_fp32(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]) -> RunResult:
+    """GPT trained from scratch in fp32 with AdamW and warmup + cosine LR."""
+    torch.manual_seed(1)
+    data = sample_chain(markov_chain(size.vocab, 11), 4096, size.seq + 1, 12)
+    g = torch.Generator().manual_seed(13)
+    model = Transformer(size, causal=True, out=size.vocab, dropout=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    total = n_ckpt * every
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(every, total))
+    ckpts: list[tuple[int, State]] = []
+    losses: list[float] = []
+    model.train()
+    for step in range(1, total + 1):
+        xy = _batch(data, size.batch, g)
+        logits = model(xy[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, size.vocab), xy[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if step % every == 0:
+            ckpts.append((step, _snapshot(_state(model, opt, sched, step))))
+            log(f"    step {step:4d} loss {sum(losses[-every:]) / every:.3f}")
+    return RunResult("gpt-scratch-fp32", n_params(model), ckpts, losses, 0.0)
+
+
+def run_gpt_bf16(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]) -> RunResult:
+    """The same GPT with bf16 weights computed from an fp32 master copy the optimizer owns.
+
+    Each step: forward/backward in bf16, grads copied to the fp32 master, AdamW on the master,
+    then the bf16 weights are re-derived as round-to-nearest casts of the master.
+    """
+    torch.manual_seed(1)
+    data = sample_chain(markov_chain(size.vocab, 11), 4096, size.seq + 1, 12)
+    g = torch.Generator().manual_seed(13)
+    model = Transformer(size, causal=True, out=size.vocab, dropout=0.1)
+    names = [n for n, _ in model.named_parameters()]
+    master = [p.detach().clone().float() for p in model.parameters()]
+    for m in master:
+        m.requires_grad_(True)
+    model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(master, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    total = n_ckpt * every
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(every, total))
+    ckpts: list[tuple[int, State]] = []
+    losses: list[float] = []
+    model.train()
+    params = list(model.parameters())
+    for step in range(1, total + 1):
+        xy = _batch(data, size.batch, g)
+        logits = model(xy[:, :-1]).float()
+        loss = F.cross_entropy(logits.reshape(-1, size.vocab), xy[:, 1:].reshape(-1))
+        for p in params:
+            p.grad = None
+        loss.backward()
+        for p, m in zip(params, master, strict=True):
+            m.grad = p.grad.float()
+        torch.nn.utils.clip_grad_norm_(master, 1.0)
+        opt.step()
+        sched.step()
+        with torch.no_grad():
+            for p, m in zip(params, master, strict=True):
+                p.copy_(m)
+        losses.append(loss.item())
+        if step % every == 0:
+            state = _state(model, opt, sched, step)
+            state["master"] = {n: m.detach() for n, m in zip(names, master, strict=True)}
+            ckpts.append((step, _snapshot(state)))
+            log(f"    step {step:4d} loss {sum(losses[-every:]) / every:.3f}")
+    return RunResult("gpt-scratch-bf16", n_params(model), ckpts, losses, 0.0)
+
+
+def run_finetune(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]) -> RunResult:
+    """A BERT-like encoder pretrained (masked LM, unmeasured), then fine-tuned with a new head.
+
+    Fine-tuning task: which of 4 Markov chains produced a sequence (mean-pooled
+    classification). Fresh AdamW at lr 5e-5, linear warmup then cosine; only the fine-tuning
+    checkpoints are returned.
+    """
+    torch.manual_seed(2)
+    mask_id = size.vocab - 1
+    pre = sample_chain(markov_chain(size.vocab, 21), 4096, size.seq, 22)
+    g = torch.Generator().manual_seed(23)
+    mlm = Transformer(size, causal=False, out=size.vocab, dropout=0.1)
+    opt = torch.optim.AdamW(mlm.parameters(), lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, warmup_cosine(size.pretrain_steps // 10, size.pretrain_steps)
+    )
+    mlm.train()
+    for step in range(1, size.pretrain_steps + 1):
+        x = _batch(pre, size.batch, g)
+        mask = torch.rand(x.shape, generator=g) < 0.15
+        logits = mlm(x.masked_fill(mask, mask_id))
+        loss = F.cross_entropy(logits[mask], x[mask])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(mlm.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == size.pretrain_steps:
+            log(f"    pretrain step {step:4d} mlm loss {loss.item():.3f}")
+
+    classes = 4
+    per = 1024
+    seqs = [sample_chain(markov_chain(size.vocab, 31 + c), per, size.seq, 41 + c) for c in range(classes)]
+    xs = torch.cat(seqs)
+    ys = torch.arange(classes).repeat_interleave(per)
+    model = Transformer(size, causal=False, out=classes, dropout=0.1)
+    trunk = {k: v for k, v in mlm.state_dict().items() if not k.startswith("head.")}
+    model.load_state_dict(trunk, strict=False)  # the new head keeps its fresh init
+    del mlm, opt, sched
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.01)
+    total = n_ckpt * every
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(every, total))
+    ckpts: list[tuple[int, State]] = []
+    losses: list[float] = []
+    model.train()
+    for step in range(1, total + 1):
+        idx = torch.randint(0, xs.shape[0], (size.batch,), generator=g)
+        logits = model.head(model.trunk(xs[idx]).mean(1))
+        loss = F.cross_entropy(logits, ys[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if step % every == 0:
+            ckpts.append((step, _snapshot(_state(model, opt, sched, step))))
+            log(f"    finetune step {step:4d} loss {sum(losses[-every:]) / every:.3f}")
+    return RunResult("finetune-fp32", n_params(model), ckpts, losses, 0.0)
+
+
+def _state(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    step: int,
+) -> State:
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rng": torch.get_rng_state(),
+        "step": step,
+    }
+
+
+RUNS: dict[str, Callable[[Size, int, int, Callable[[str], None]], RunResult]] = {
+    "gpt-scratch-fp32": run_gpt_fp32,
+    "gpt-scratch-bf16": run_gpt_bf16,
+    "finetune-fp32": run_finetune,
+}
