@@ -39,21 +39,25 @@ class Size:
 
 
 SIZES = {
-    # ~5.8M parameters (GPT), ~7.4M (encoder); about 0.3-0.5 s per step on 2 cores
-    "full": Size(vocab=2048, dim=256, layers=6, heads=4, seq=64, batch=8, pretrain_steps=300),
+    # ~5.8M parameters (GPT and encoder); about 0.2 s per step on 2 cores
+    "full": Size(vocab=512, dim=256, layers=7, heads=4, seq=64, batch=8, pretrain_steps=200),
     # small enough for a smoke run of the whole pipeline in a couple of minutes
-    "quick": Size(vocab=512, dim=128, layers=2, heads=4, seq=32, batch=8, pretrain_steps=60),
+    "quick": Size(vocab=256, dim=128, layers=2, heads=4, seq=32, batch=8, pretrain_steps=50),
 }
 
 
 # -- data ---------------------------------------------------------------------------------
 
 
-def markov_chain(vocab: int, seed: int, successors: int = 8) -> torch.Tensor:
-    """A row-stochastic transition matrix: each token has ``successors`` likely next tokens."""
+def markov_chain(
+    vocab: int, seed: int, successors: int = 8, favour: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """A row-stochastic transition matrix: each token has ``successors`` likely next tokens
+    (drawn from the token range ``favour`` when given, so a class shows in its token mix)."""
     g = torch.Generator().manual_seed(seed)
     probs = torch.full((vocab, vocab), 1e-3 / vocab)
-    nxt = torch.randint(0, vocab, (vocab, successors), generator=g)
+    lo, hi = favour or (0, vocab)
+    nxt = torch.randint(lo, hi, (vocab, successors), generator=g)
     weights = torch.rand(vocab, successors, generator=g) ** 2 + 0.05
     probs.scatter_add_(1, nxt, weights)
     return probs / probs.sum(1, keepdim=True)
@@ -243,7 +247,8 @@ def run_finetune(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]
     """A BERT-like encoder pretrained (masked LM, unmeasured), then fine-tuned with a new head.
 
     Fine-tuning task: which of 4 Markov chains produced a sequence (mean-pooled
-    classification). Fresh AdamW at lr 5e-5, linear warmup then cosine; only the fine-tuning
+    classification; each class's chain favours its own overlapping band of tokens). Fresh AdamW
+    at lr 1e-4, linear warmup then cosine; only the fine-tuning
     checkpoints are returned.
     """
     torch.manual_seed(2)
@@ -251,7 +256,7 @@ def run_finetune(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]
     pre = sample_chain(markov_chain(size.vocab, 21), 4096, size.seq, 22)
     g = torch.Generator().manual_seed(23)
     mlm = Transformer(size, causal=False, out=size.vocab, dropout=0.1)
-    opt = torch.optim.AdamW(mlm.parameters(), lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01)
+    opt = torch.optim.AdamW(mlm.parameters(), lr=2e-3, betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, warmup_cosine(size.pretrain_steps // 10, size.pretrain_steps)
     )
@@ -271,14 +276,23 @@ def run_finetune(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]
 
     classes = 4
     per = 1024
-    seqs = [sample_chain(markov_chain(size.vocab, 31 + c), per, size.seq, 41 + c) for c in range(classes)]
+    band = size.vocab // classes
+    seqs = [
+        sample_chain(
+            markov_chain(size.vocab, 31 + c, favour=(c * band, min(size.vocab, (c + 2) * band))),
+            per,
+            size.seq,
+            41 + c,
+        )
+        for c in range(classes)
+    ]
     xs = torch.cat(seqs)
     ys = torch.arange(classes).repeat_interleave(per)
     model = Transformer(size, causal=False, out=classes, dropout=0.1)
     trunk = {k: v for k, v in mlm.state_dict().items() if not k.startswith("head.")}
     model.load_state_dict(trunk, strict=False)  # the new head keeps its fresh init
     del mlm, opt, sched
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     total = n_ckpt * every
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(every, total))
     ckpts: list[tuple[int, State]] = []

@@ -4,7 +4,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from pg import pg_database
+from s3server import fake_aws_credentials, start_moto
 from serviceproc import Service
 
 
@@ -45,3 +47,17 @@ def make_service(tmp_path: Path) -> Iterator[Callable[..., Service]]:
     yield make
     for svc in started:
         svc.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A moto S3 server for the session, with dummy credentials in the environment.
+
+    Not skipped when moto is missing or will not start: the S3 backend must be tested.
+    """
+    with fake_aws_credentials():
+        url, stop = start_moto()
+        try:
+            yield url
+        finally:
+            stop()

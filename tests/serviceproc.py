@@ -44,7 +44,7 @@ class Service:
                     "--port",
                     str(self.port),
                     "--log-level",
-                    "warning",
+                    os.environ.get("CKPTSTORE_TEST_LOG_LEVEL", "warning"),
                 ],
                 env=self.env,
                 stdout=log,
@@ -104,3 +104,19 @@ class Service:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def partial_upload(url: str, run: str, step: int, sent: bytes, total_len: int) -> socket.socket:
+    """POST ``total_len`` bytes announced but only ``sent`` written; the socket stays open.
+
+    Close it to simulate a client that disconnects mid-upload, or keep it open to hold the
+    upload (and the run's lock) in progress.
+    """
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(
+        f"POST /v1/runs/{run}/checkpoints/{step} HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: application/octet-stream\r\nContent-Length: {total_len}\r\n\r\n".encode()
+        + sent
+    )
+    return sock

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -21,6 +22,9 @@ def _serve(args: argparse.Namespace) -> int:
             f"the service needs its extra: pip install 'ckptstore[server]' ({exc})", file=sys.stderr
         )
         return 2
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     overrides = {"data_dir": args.data_dir} if args.data_dir else {}
     settings = Settings(**overrides)
     uvicorn.run(

@@ -199,9 +199,7 @@ class CheckpointClient:
         def attempt() -> CheckpointInfo:
             bar = _Progress(show, header.total_len, f"save {run}/{step}")
             try:
-                status, payload = self._post(
-                    self._path(run, step), body(), header.total_len, bar.update
-                )
+                payload = self._post(self._path(run, step), body(), header.total_len, bar.update)
             finally:
                 bar.close()
             return CheckpointInfo.from_json(payload)
@@ -298,13 +296,17 @@ class CheckpointClient:
             conn.close()
 
     def _post(
-        self, path: str, body: Iterator[memoryview | bytes], length: int, sent: Callable[[int], None]
-    ) -> tuple[int, Any]:
+        self,
+        path: str,
+        body: Iterator[memoryview | bytes],
+        length: int,
+        sent: Callable[[int], None],
+    ) -> Any:
         conn, response = self._request("POST", path, body, length, sent)
         data = response.read()
         self._done(conn, response)
         _raise_for(response.status, data)
-        return response.status, json.loads(data)
+        return json.loads(data)
 
     def _get_json(self, path: str) -> Any:
         conn, response = self._request("GET", path)

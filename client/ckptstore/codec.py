@@ -64,7 +64,7 @@ _PLANE_RAW, _PLANE_ZSTD = 0, 1
 # A plane is stored raw unless zstd gets it below this fraction of its size.
 _PLANE_GAIN = 0.95
 # Chunks above this size choose their mode and planes on a sample of this many bytes.
-_SAMPLE_BYTES = 128 << 10
+_SAMPLE_BYTES = 48 << 10
 _SAMPLE_WINDOWS = 4
 
 

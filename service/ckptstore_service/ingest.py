@@ -12,9 +12,11 @@ row, so nothing becomes visible.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -32,6 +34,8 @@ from ckptstore_service.runtime import Runtime
 from ckptstore_service.storage import BlobStore
 
 __all__ = ["BodyPipe", "ingest"]
+
+log = logging.getLogger("ckptstore")
 
 _END = object()
 
@@ -54,6 +58,9 @@ class BodyPipe:
 
     def full(self) -> bool:
         return self._q.full()
+
+    def empty(self) -> bool:
+        return self._q.empty()
 
     def offer(self, piece: object) -> bool:
         """Put without blocking; False when the queue is full or the consumer is gone."""
@@ -310,6 +317,7 @@ def _store(
     it: Iterator[bytes],
 ) -> CheckpointInfo:
     s = rt.settings
+    t_start = time.perf_counter()
     parent = rt.catalog.parent_of(run, step)
     keyframe = parent is None or parent.since_keyframe + 1 >= s.keyframe_interval
     base_fd = None
@@ -393,8 +401,11 @@ def _store(
                 )
                 buf = bytearray()
                 drain(max_pending)
+        t_body = time.perf_counter()
         drain(0)
+        t_encoded = time.perf_counter()
         stored_bytes = writer.finish()
+        t_durable = time.perf_counter()
         tensors = [
             TensorInfo(i, t.name, t.dtype, t.shape, t.begin, t.nbytes, h.digest())
             for i, (t, h) in enumerate(zip(header.tensors, hashers, strict=True))
@@ -412,6 +423,20 @@ def _store(
             chunks=chunks,
         )
         committed = True
+        t_end = time.perf_counter()
+        log.info(
+            "saved %s/%d: %d -> %d bytes in %.2fs (body %.2fs, encode tail %.2fs, "
+            "blob finish %.2fs, commit %.2fs)",
+            run,
+            step,
+            header.data_len,
+            stored_bytes,
+            t_end - t_start,
+            t_body - t_start,
+            t_encoded - t_body,
+            t_durable - t_encoded,
+            t_end - t_durable,
+        )
     finally:
         if not committed:
             for p in pending:

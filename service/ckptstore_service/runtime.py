@@ -87,14 +87,17 @@ class Runtime:
         A ``writing`` row whose run lock can be taken has no live writer (a live upload holds
         the lock for its whole duration, on every replica), so its bytes are orphans.
         """
-        collected = 0
+        dead = []
         for checkpoint_id, run, blob_key, _created in self.catalog.uploads_in_progress():
             with self.catalog.run_lock(run, blocking=False) as held:
                 if not held:
                     continue
+                self.store.abort_incomplete([blob_key])
                 self.store.delete(blob_key)
                 self.catalog.abort_upload(checkpoint_id)
-                collected += 1
-        if collected:
-            log.info("collected %d crashed upload(s)", collected)
-        return collected
+                dead.append(blob_key)
+        # Writes with no catalog row left (a crash while aborting): found by age alone.
+        stale = self.store.abort_incomplete((), self.settings.incomplete_upload_ttl_s)
+        if dead or stale:
+            log.info("collected %d crashed upload(s), %d stale partial write(s)", len(dead), stale)
+        return len(dead)

@@ -42,6 +42,12 @@ class Settings(BaseSettings):
         default=True,
         description="Upgrade the database schema at start-up (else run `ckptstore db upgrade`).",
     )
+    incomplete_upload_ttl_s: float = Field(
+        default=24 * 3600,
+        ge=60,
+        description="At start-up, partial writes (temp files, S3 multipart uploads) older "
+        "than this are removed even if no catalog row names them.",
+    )
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_path_style: bool = False

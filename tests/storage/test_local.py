@@ -2,11 +2,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ckptstore_service.storage import BlobStore, LocalBlobStore
+from ckptstore_service.storage.local import _tmp_prefix
 
 from .contract import BlobStoreContract
 
@@ -83,3 +85,25 @@ def test_directories_are_not_blobs(tmp_path: Path) -> None:
         store.get("runs/r")
     store.delete("runs/r")
     assert store.get("runs/r/1") == b"x"
+
+
+def test_abort_incomplete_finds_a_dead_writers_temp_file(tmp_path: Path) -> None:
+    store = LocalBlobStore(tmp_path)
+    seen: list[str] = []
+
+    def crash_midway() -> Iterator[bytes]:
+        yield b"partial"
+        seen.extend(os.listdir(tmp_path / ".tmp"))
+        yield b"more"
+
+    store.put_stream("runs/r/x.blob", crash_midway())
+    assert len(seen) == 1 and seen[0].startswith(_tmp_prefix("runs/r/x.blob"))
+    # a SIGKILL leaves such files behind: recreate two, one per writer
+    dead = tmp_path / ".tmp" / (_tmp_prefix("runs/r/dead.blob") + "a.part")
+    live = tmp_path / ".tmp" / (_tmp_prefix("runs/r/live.blob") + "b.part")
+    dead.write_bytes(b"partial")
+    live.write_bytes(b"in progress")
+    assert store.abort_incomplete(["runs/r/dead.blob"]) == 1
+    assert not dead.exists() and live.exists()
+    assert store.abort_incomplete([], older_than_s=0) == 1
+    assert not live.exists()

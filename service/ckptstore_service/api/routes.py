@@ -114,12 +114,16 @@ async def _put(pipe: BodyPipe, piece: object) -> bool:
 
 
 async def _pump(body: AsyncIterator[bytes], pipe: BodyPipe) -> bool:
-    """Move the body into ``pipe`` in ~1 MiB batches; True if the whole body was read."""
+    """Move the body into ``pipe``; True if the whole body was read.
+
+    Pieces are batched up to ~1 MiB while the ingest thread is busy (fewer hand-offs) and
+    passed on at once while it waits (no latency for a slow sender).
+    """
     batch = bytearray()
     try:
         async for piece in body:
             batch += piece
-            if len(batch) >= _BATCH:
+            if len(batch) >= _BATCH or pipe.empty():
                 if not await _put(pipe, batch):
                     return False
                 batch = bytearray()

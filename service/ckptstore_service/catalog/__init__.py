@@ -16,20 +16,20 @@ import hashlib
 import json
 import os
 import threading
-from pathlib import Path
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
     Engine,
     create_engine,
-    make_url,
     delete,
     event,
     func,
     insert,
+    make_url,
     select,
     text,
     update,

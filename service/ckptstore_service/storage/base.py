@@ -29,7 +29,7 @@ Implementations are safe to call from several threads at once.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 from ckptstore.errors import CkptStoreError
 
@@ -70,6 +70,18 @@ class BlobStore(abc.ABC):
 
     @abc.abstractmethod
     def iter_keys(self, prefix: str = "") -> Iterator[str]: ...
+
+    def abort_incomplete(
+        self, keys: Collection[str] = (), older_than_s: float | None = None
+    ) -> int:
+        """Clean up writes that a crash cut short; returns how many were removed.
+
+        ``keys``: blobs whose writer is known to be dead (the catalog's stale uploads).
+        ``older_than_s``: also anything incomplete started that long ago, whatever its key --
+        choose a margin longer than any upload takes, other replicas may be writing. Backends
+        whose incomplete writes cannot outlive a crash need not override this.
+        """
+        return 0
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and pools."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -403,12 +403,20 @@ class S3BlobStore(BlobStore):
         Call it at start-up (and now and then) with a margin longer than any upload takes: an
         upload still being written by another replica would be aborted too.
         """
+        return self.abort_incomplete((), older_than_s)
+
+    def abort_incomplete(
+        self, keys: Collection[str] = (), older_than_s: float | None = None
+    ) -> int:
         from botocore.exceptions import ClientError
 
-        cutoff = datetime.now(UTC) - timedelta(seconds=older_than_s)
+        dead = set(keys)
+        cutoff = (
+            None if older_than_s is None else datetime.now(UTC) - timedelta(seconds=older_than_s)
+        )
         aborted = 0
         for up in self.list_open_uploads():
-            if up.initiated >= cutoff:
+            if up.key not in dead and (cutoff is None or up.initiated >= cutoff):
                 continue
             with self._errors("abort multipart upload of", up.key):
                 try:
