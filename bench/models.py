@@ -72,7 +72,9 @@ def sample_chain(probs: torch.Tensor, n: int, length: int, seed: int) -> torch.T
     out[:, 0] = torch.randint(0, probs.shape[0], (n,), generator=g)
     for t in range(1, length):
         u = torch.rand(n, 1, generator=g)
-        out[:, t] = torch.searchsorted(cum[out[:, t - 1]], u).squeeze(1).clamp_(max=probs.shape[0] - 1)
+        out[:, t] = (
+            torch.searchsorted(cum[out[:, t - 1]], u).squeeze(1).clamp_(max=probs.shape[0] - 1)
+        )
     return out
 
 

@@ -139,7 +139,7 @@ def _as_int(value: object, what: str) -> int:
 def _parse_header_json(raw: bytes, header_len: int) -> Header:
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad JSON/UTF-8, 4300+ digit ints, nesting
         raise InvalidStream(f"header is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise InvalidStream("header must be a JSON object")

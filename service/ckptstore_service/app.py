@@ -6,6 +6,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -34,6 +35,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime = await run_in_threadpool(Runtime.open, settings)
         app.state.runtime = runtime
+        app.state.upload_limiter = anyio.CapacityLimiter(settings.max_concurrent_uploads)
         try:
             yield
         finally:

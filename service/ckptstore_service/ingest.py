@@ -1,7 +1,7 @@
 """Save path: stream -> parse -> delta -> compress -> blob -> commit.
 
 :func:`ingest` runs in a worker thread and consumes the request body as an iterator of byte
-pieces (fed by the event loop through :class:`BodyPipe`). It never holds more than a few
+pieces (fed by the event loop, see ``api/body.py``). It never holds more than a few
 chunks: the body is parsed as it arrives, each full chunk is handed to the codec pool together
 with the location of its base in the parent's cached data, encoded chunks are appended in
 order to the checkpoint's blob by a writer thread, and the raw bytes are written to a new base
@@ -33,77 +33,11 @@ from ckptstore_service.restore import materialize
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.storage import BlobStore
 
-__all__ = ["BodyPipe", "ingest"]
-
-log = logging.getLogger("ckptstore")
+__all__ = ["ingest"]
 
 _END = object()
 
-
-class BodyPipe:
-    """Bounded hand-off of body pieces from the event loop (producer) to the ingest thread.
-
-    The producer calls :meth:`put` (blocking: run it in a thread when :meth:`full`),
-    :meth:`finish` or :meth:`fail`. The consumer iterates; when it stops early it calls
-    :meth:`close`, after which :meth:`put` returns False so the producer stops reading.
-    """
-
-    def __init__(self, maxsize: int = 8) -> None:
-        self._q: queue.Queue[object] = queue.Queue(maxsize)
-        self._closed = threading.Event()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed.is_set()
-
-    def full(self) -> bool:
-        return self._q.full()
-
-    def empty(self) -> bool:
-        return self._q.empty()
-
-    def offer(self, piece: object) -> bool:
-        """Put without blocking; False when the queue is full or the consumer is gone."""
-        if self._closed.is_set():
-            return False
-        try:
-            self._q.put_nowait(piece)
-            return True
-        except queue.Full:
-            return False
-
-    def put(self, piece: object) -> bool:
-        while not self._closed.is_set():
-            try:
-                self._q.put(piece, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def finish(self) -> None:
-        self.put(_END)
-
-    def fail(self, exc: BaseException) -> None:
-        self.put(exc)
-
-    def close(self) -> None:
-        self._closed.set()
-        while True:  # unblock a producer waiting on a full queue
-            try:
-                self._q.get_nowait()
-            except queue.Empty:
-                return
-
-    def __iter__(self) -> Iterator[bytes]:
-        while True:
-            item = self._q.get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            assert isinstance(item, bytes | bytearray | memoryview)
-            yield bytes(item) if isinstance(item, memoryview) else item  # type: ignore[misc]
+log = logging.getLogger("ckptstore")
 
 
 def read_header(parser: StreamParser, body: Iterator[bytes]) -> tuple[Header, list[TensorPiece]]:

@@ -36,7 +36,7 @@ def parse_step(step: str, *, allow_latest: bool = False) -> int | None:
     """A step path segment: a non-negative integer (or ``latest`` when allowed -> None)."""
     if allow_latest and step == "latest":
         return None
-    if not step.isascii() or not step.isdigit() or int(step) > MAX_STEP:
+    if not step.isascii() or not step.isdigit() or len(step) > 19 or int(step) > MAX_STEP:
         what = "a non-negative integer" + (" or 'latest'" if allow_latest else "")
         raise InvalidRequest(f"invalid step {step!r}: expected {what}")
     return int(step)

@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     )
     max_upload_bytes: int = Field(default=1 << 40, ge=1, description="Largest checkpoint accepted.")
     max_header_bytes: int = Field(default=100 * MiB, ge=1024)
+    max_concurrent_uploads: int = Field(
+        default=64, ge=1, description="Uploads processed at once; more wait their turn."
+    )
     workers: int = Field(default=0, ge=0, description="Codec threads; 0 = number of CPUs.")
 
     def resolved_database_url(self) -> str:

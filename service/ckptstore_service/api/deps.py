@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
+import anyio
 from fastapi import Depends, Request
 
 from ckptstore_service.runtime import Runtime
 
-__all__ = ["RuntimeDep"]
+__all__ = ["RuntimeDep", "UploadLimiterDep"]
 
 
 def _runtime(request: Request) -> Runtime:
@@ -17,3 +18,12 @@ def _runtime(request: Request) -> Runtime:
 
 
 RuntimeDep = Annotated[Runtime, Depends(_runtime)]
+
+
+def _upload_limiter(request: Request) -> anyio.CapacityLimiter:
+    """Threads for uploads in progress, apart from the pool that the other routes share."""
+    limiter: anyio.CapacityLimiter = request.app.state.upload_limiter
+    return limiter
+
+
+UploadLimiterDep = Annotated[anyio.CapacityLimiter, Depends(_upload_limiter)]

@@ -2,29 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Annotated
 
 import anyio
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect
 
-from ckptstore.errors import CkptStoreError, InvalidRequest, InvalidStream
-from ckptstore_service.api.deps import RuntimeDep
+from ckptstore.errors import InvalidRequest
+from ckptstore_service.api.body import BodyPipe, drain, pump, receive_body
+from ckptstore_service.api.deps import RuntimeDep, UploadLimiterDep
 from ckptstore_service.api.schemas import CheckpointOut, CheckpointsOut, RunOut, RunsOut
 from ckptstore_service.catalog import CheckpointInfo
-from ckptstore_service.ingest import BodyPipe, ingest
+from ckptstore_service.ingest import ingest
 from ckptstore_service.restore import open_restore
 from ckptstore_service.runtime import check_run_name, parse_step
 
 __all__ = ["router"]
 
 router = APIRouter()
-
-_BATCH = 1 << 20  # body bytes handed to the ingest thread at a time
-_DRAIN_LIMIT = 16 << 20  # read at most this much of a rejected body before answering
 
 
 @router.get("/healthz")
@@ -67,7 +63,9 @@ async def load_checkpoint(
 
 
 @router.post("/v1/runs/{run}/checkpoints/{step}", status_code=201, response_model=CheckpointOut)
-async def save_checkpoint(run: str, step: str, request: Request, rt: RuntimeDep) -> JSONResponse:
+async def save_checkpoint(
+    run: str, step: str, request: Request, rt: RuntimeDep, uploads: UploadLimiterDep
+) -> JSONResponse:
     check_run_name(run)
     step_n = parse_step(step)
     assert step_n is not None
@@ -84,13 +82,15 @@ async def save_checkpoint(run: str, step: str, request: Request, rt: RuntimeDep)
         finally:
             pipe.close()
 
-    body = request.stream()
+    ended: list[bool] = []
     async with anyio.create_task_group() as tg:
-        tg.start_soon(anyio.to_thread.run_sync, consume)
-        complete = await _pump(body, pipe)
+        tg.start_soon(pump, receive_body(request, ended), pipe)
+        await anyio.to_thread.run_sync(consume, limiter=uploads)
+        if failure:
+            tg.cancel_scope.cancel()  # rejected: stop waiting for the rest of the body
     if failure:
-        if not complete:
-            await _drain(body)
+        if not ended:
+            await drain(request)
         raise failure[0]
     info, created = outcome[0]
     return JSONResponse(
@@ -102,50 +102,6 @@ def _content_length(request: Request) -> int | None:
     value = request.headers.get("content-length")
     if value is None:
         return None
-    if not value.isdigit():
+    if not value.isascii() or not value.isdigit() or len(value) > 19:
         raise InvalidRequest(f"invalid Content-Length {value!r}")
     return int(value)
-
-
-async def _put(pipe: BodyPipe, piece: object) -> bool:
-    if not pipe.full() and pipe.offer(piece):
-        return True
-    return await anyio.to_thread.run_sync(pipe.put, piece)
-
-
-async def _pump(body: AsyncIterator[bytes], pipe: BodyPipe) -> bool:
-    """Move the body into ``pipe``; True if the whole body was read.
-
-    Pieces are batched up to ~1 MiB while the ingest thread is busy (fewer hand-offs) and
-    passed on at once while it waits (no latency for a slow sender).
-    """
-    batch = bytearray()
-    try:
-        async for piece in body:
-            batch += piece
-            if len(batch) >= _BATCH or pipe.empty():
-                if not await _put(pipe, batch):
-                    return False
-                batch = bytearray()
-        if batch and not await _put(pipe, batch):
-            return False
-        await anyio.to_thread.run_sync(pipe.finish)
-        return True
-    except ClientDisconnect:
-        await anyio.to_thread.run_sync(
-            pipe.fail, InvalidStream("client disconnected in the middle of the upload")
-        )
-        return True
-
-
-async def _drain(body: AsyncIterator[bytes]) -> None:
-    """Read a little more of a rejected body so the client sees our answer, not a reset."""
-    seen = 0
-    try:
-        with anyio.move_on_after(5):
-            async for piece in body:
-                seen += len(piece)
-                if seen > _DRAIN_LIMIT:
-                    return
-    except (ClientDisconnect, CkptStoreError, RuntimeError):
-        return

@@ -31,6 +31,8 @@ _TMP_SUFFIX = ".part"
 def _tmp_prefix(key: str) -> str:
     """Temp files start with a hash of their key, so a dead writer's file can be found."""
     return hashlib.blake2b(key.encode(), digest_size=8).hexdigest() + "-"
+
+
 # os.pread reads at most 0x7ffff000 bytes per call on Linux.
 _MAX_READ = 1 << 30
 

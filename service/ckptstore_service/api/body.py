@@ -1,0 +1,106 @@
+"""Moving a request body from the event loop to the ingest thread, with backpressure.
+
+The event loop reads the body (:func:`receive_body`) and :func:`pump` puts it into a
+:class:`BodyPipe`, a bounded anyio memory stream; the ingest thread iterates the pipe, blocking
+through ``anyio.from_thread``. Neither side borrows a worker thread to wait, so stalled
+uploads cannot starve the thread pool the other routes use, and a consumer that stops early
+(a rejected body) closes the pipe, which stops the producer at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import anyio
+from starlette.requests import ClientDisconnect, Request
+
+from ckptstore.errors import InvalidStream
+
+__all__ = ["BodyPipe", "drain", "pump", "receive_body"]
+
+_BATCH = 1 << 20  # body bytes handed over at a time while the consumer is busy
+_DRAIN_LIMIT = 16 << 20  # read at most this much of a rejected body before answering
+_DRAIN_SECONDS = 5.0
+_END = object()
+
+
+class BodyPipe:
+    """Bounded hand-off: async producer on the event loop, sync consumer in a worker thread."""
+
+    def __init__(self, maxsize: int = 8) -> None:
+        self._send, self._recv = anyio.create_memory_object_stream[object](maxsize)
+
+    async def put(self, item: object) -> bool:
+        """False once the consumer is gone."""
+        try:
+            await self._send.send(item)
+            return True
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+
+    def idle(self) -> bool:
+        """True when nothing is queued: the consumer is waiting for bytes."""
+        return self._send.statistics().current_buffer_used == 0
+
+    def close(self) -> None:
+        """Consumer side, from its worker thread: stop the producer."""
+        anyio.from_thread.run_sync(self._recv.close)
+
+    def __iter__(self) -> Iterator[bytes]:
+        while True:
+            item = anyio.from_thread.run(self._recv.receive)
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, bytes | bytearray)
+            yield item  # type: ignore[misc]
+
+
+async def receive_body(request: Request, ended: list[bool]) -> AsyncIterator[bytes]:
+    """The request body, like ``request.stream()``; appends to ``ended`` at its last piece."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        more = message.get("more_body", False)
+        if not more:
+            ended.append(True)
+        if message.get("body"):
+            yield message["body"]
+        if not more:
+            return
+
+
+async def pump(body: AsyncIterator[bytes], pipe: BodyPipe) -> None:
+    """Move ``body`` into ``pipe``; a client that disconnects becomes an InvalidStream.
+
+    Pieces are batched up to ~1 MiB while the consumer is busy (fewer hand-offs) and passed
+    on at once while it waits (a slow sender's header is parsed as soon as it arrives).
+    """
+    batch = bytearray()
+    try:
+        async for piece in body:
+            batch += piece
+            if len(batch) >= _BATCH or pipe.idle():
+                if not await pipe.put(batch):
+                    return
+                batch = bytearray()
+        if batch and not await pipe.put(batch):
+            return
+        await pipe.put(_END)
+    except ClientDisconnect:
+        await pipe.put(InvalidStream("client disconnected in the middle of the upload"))
+
+
+async def drain(request: Request) -> None:
+    """Read a little more of a rejected body so the client sees our answer, not a reset."""
+    seen = 0
+    with anyio.move_on_after(_DRAIN_SECONDS):
+        while seen <= _DRAIN_LIMIT:
+            message = await request.receive()
+            if message["type"] != "http.request":
+                return
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
