@@ -595,13 +595,18 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
         for method in METHODS:
             m = r["methods"][method]
             ax.plot(steps, [b / MB for b in m["stored_per_ckpt"]], marker="o", ms=3, label=method)
-        ax.set_yscale("log")
+        values = [b for m in r["methods"].values() for b in m["stored_per_ckpt"]]
+        if max(r["raw_per_ckpt"]) / min(values) > 4:  # log only where the spread needs it
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(bottom=0)
         ax.set_title(f"{run} ({r['params'] / 1e6:.1f}M params)")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("stored MB per checkpoint")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -159,7 +159,7 @@ def _choose(
 
 
 def encode_chunk(
-    raw: Buffer, base: Buffer | None, itemsize: int, level: int = 3, *, delta: bool = True
+    raw: Buffer, base: Buffer | None, itemsize: int, level: int = 1, *, delta: bool = True
 ) -> EncodedChunk:
     """Encode one chunk of a tensor with elements of ``itemsize`` bytes.
 

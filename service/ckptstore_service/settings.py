@@ -53,7 +53,9 @@ class Settings(BaseSettings):
     s3_path_style: bool = False
     s3_create_bucket: bool = False
 
-    zstd_level: int = Field(default=3, ge=-7, le=22)
+    zstd_level: int = Field(
+        default=1, ge=-7, le=22, description="zstd level of byte planes; 1 matched 3 in size."
+    )
     chunk_bytes: int = Field(default=4 * MiB, ge=64 << 10, le=256 * MiB)
     keyframe_interval: int = Field(
         default=10, ge=1, description="A full (keyframe) checkpoint every N checkpoints."
