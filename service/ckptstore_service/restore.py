@@ -11,7 +11,9 @@ carries those checksums (``__metadata__["ckptstore.xxh3_128"]``) so the client c
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -30,6 +32,7 @@ __all__ = ["CHECKSUMS_KEY", "Restore", "materialize", "open_restore"]
 
 CHECKSUMS_KEY = "ckptstore.xxh3_128"
 _READ_BYTES = 4 << 20
+log = logging.getLogger("ckptstore")
 
 
 @dataclass(frozen=True)
@@ -50,8 +53,20 @@ def open_restore(rt: Runtime, run: str, step: int | None, prefix: str | None) ->
     prefix_bytes, header = encode_header([(t.name, t.dtype, t.shape) for t in tensors], metadata)
 
     def body() -> Iterator[bytes]:
+        t0 = time.perf_counter()
+        stats = _Stats()
         yield prefix_bytes
-        yield from _verified(tensors, _data(rt, info, tensors))
+        yield from _verified(tensors, _data(rt, info, tensors, stats))
+        log.info(
+            "loaded %s/%d: %d bytes in %.2fs from %s (fetch %.2fs, decode %.2fs, in threads)",
+            info.run,
+            info.step,
+            header.data_len,
+            time.perf_counter() - t0,
+            stats.source,
+            stats.fetch_s,
+            stats.decode_s,
+        )
 
     return Restore(info, header.total_len, body())
 
@@ -94,13 +109,22 @@ def _verified(tensors: list[TensorInfo], pieces: Iterator[tuple[int, bytes]]) ->
             raise CorruptData(f"tensor {t.name!r} does not match its checksum")
 
 
+@dataclass
+class _Stats:
+    source: str = "cache"
+    fetch_s: float = 0.0  # summed over the codec threads
+    decode_s: float = 0.0
+
+
 def _data(
-    rt: Runtime, info: CheckpointInfo, tensors: list[TensorInfo]
+    rt: Runtime, info: CheckpointInfo, tensors: list[TensorInfo], stats: _Stats | None = None
 ) -> Iterator[tuple[int, bytes]]:
+    stats = stats or _Stats()
     fd = rt.cache.open(info.run, info.id)
     if fd is not None:
         return _from_cache(fd, tensors)
-    return _from_storage(rt, info, tensors)
+    stats.source = "storage"
+    return _from_storage(rt, info, tensors, stats)
 
 
 def _from_cache(fd: int, tensors: list[TensorInfo]) -> Iterator[tuple[int, bytes]]:
@@ -117,7 +141,7 @@ def _from_cache(fd: int, tensors: list[TensorInfo]) -> Iterator[tuple[int, bytes
 
 
 def _from_storage(
-    rt: Runtime, info: CheckpointInfo, tensors: list[TensorInfo]
+    rt: Runtime, info: CheckpointInfo, tensors: list[TensorInfo], stats: _Stats
 ) -> Iterator[tuple[int, bytes]]:
     wanted = {t.idx for t in tensors}
     chunks = [c for c in rt.catalog.chunks(info.id) if c.tensor_idx in wanted]
@@ -127,13 +151,18 @@ def _from_storage(
         if c.codec == codec.REF:
             assert c.base_id is not None
             return decode(closure[c.base_id])
+        t0 = time.perf_counter()
         payload = (
             rt.store.get(c.blob_key, (c.blob_offset, c.blob_offset + c.stored_len))
             if c.stored_len
             else b""
         )
+        stats.fetch_s += time.perf_counter() - t0
         base = None if c.base_id is None else decode(closure[c.base_id])
-        return codec.decode_chunk(c.codec, payload, base, c.itemsize, c.raw_len, c.checksum)
+        t0 = time.perf_counter()
+        out = codec.decode_chunk(c.codec, payload, base, c.itemsize, c.raw_len, c.checksum)
+        stats.decode_s += time.perf_counter() - t0
+        return out
 
     pending: deque[tuple[int, Future[bytes]]] = deque()
     ahead = 2 * rt.workers + 2
