@@ -67,9 +67,8 @@ def run(
     last = len(states) - 1
     t = time.perf_counter()
     client.load("bench", last)
-    print(
-        f"load {last} after restart (decode {last} deep): {raw / (time.perf_counter() - t) / MB:6.0f} MB/s"
-    )
+    rate = raw / (time.perf_counter() - t) / MB
+    print(f"load {last} after restart (decode {last} deep): {rate:6.0f} MB/s")
     svc.stop()
     print("service phases (from its log):")
     for path in sorted(data_dir.glob("service-*.log")):
