@@ -32,8 +32,9 @@ MB = 1e6
 
 
 def state_stream(mib: int, count: int) -> list[dict[str, torch.Tensor]]:
+    """``count`` states of ``mib`` MiB (4 fp32 tensors), each a small step from the last."""
     g = torch.Generator().manual_seed(0)
-    w = {f"layer{i}.weight": torch.randn(mib << 16, generator=g) for i in range(4)}
+    w = {f"layer{i}.weight": torch.randn((mib // 4) << 18, generator=g) for i in range(4)}
     states = []
     for _ in range(count):
         states.append({k: v.clone() for k, v in w.items()})
@@ -83,7 +84,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=512, help="checkpoint size in MiB")
     parser.add_argument("--checkpoints", type=int, default=3)
     args = parser.parse_args()
-    states = state_stream(args.mib // 4, args.checkpoints)
+    states = state_stream(args.mib, args.checkpoints)
     root = Path(tempfile.mkdtemp(prefix="ckptstore-bench-"))
     try:
         run("SQLite + local folder", {}, root / "local", states)

@@ -44,7 +44,7 @@ class Service:
                     "--port",
                     str(self.port),
                     "--log-level",
-                    os.environ.get("CKPTSTORE_TEST_LOG_LEVEL", "warning"),
+                    self.env.get("CKPTSTORE_TEST_LOG_LEVEL", "warning"),
                 ],
                 env=self.env,
                 stdout=log,

@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from ckptstore.errors import CorruptData
 from ckptstore.wire import encode_header
 from ckptstore_service.catalog import CheckpointInfo, ChunkInfo, TensorInfo
 from ckptstore_service.runtime import Runtime
+from ckptstore_service.storage import BlobStore
 
 __all__ = ["CHECKSUMS_KEY", "Restore", "materialize", "open_restore"]
 
@@ -146,17 +148,14 @@ def _from_storage(
     wanted = {t.idx for t in tensors}
     chunks = [c for c in rt.catalog.chunks(info.id) if c.tensor_idx in wanted]
     closure = rt.catalog.chunk_closure(chunks)
+    reader = _WindowReader(rt.store, closure.values())
 
     def decode(c: ChunkInfo) -> bytes:
         if c.codec == codec.REF:
             assert c.base_id is not None
             return decode(closure[c.base_id])
         t0 = time.perf_counter()
-        payload = (
-            rt.store.get(c.blob_key, (c.blob_offset, c.blob_offset + c.stored_len))
-            if c.stored_len
-            else b""
-        )
+        payload = reader.get(c.blob_key, c.blob_offset, c.blob_offset + c.stored_len)
         stats.fetch_s += time.perf_counter() - t0
         base = None if c.base_id is None else decode(closure[c.base_id])
         t0 = time.perf_counter()
@@ -178,3 +177,61 @@ def _from_storage(
     finally:
         for _, fut in pending:
             fut.cancel()
+
+
+@dataclass(frozen=True, eq=False)
+class _Window:
+    key: str
+    start: int
+    end: int
+    data: Future[bytes]
+
+
+class _WindowReader:
+    """Ranged blob reads coalesced into windows: one GET serves many consecutive chunks.
+
+    A restore decodes chunks in blob order and every chain walks its blobs in that same order,
+    so reading a window ahead turns one small ranged GET per chunk and per chain link into a
+    few large ones (S3 pays per request; moto, which copies the object per ranged GET, even
+    more). Windows live in a small LRU bounded by ``budget`` bytes; fetches are single-flight.
+    """
+
+    def __init__(self, store: BlobStore, chunks: Iterable[ChunkInfo], budget: int = 128 << 20):
+        self._store = store
+        self._ends: dict[str, int] = {}
+        for c in chunks:
+            end = c.blob_offset + c.stored_len
+            self._ends[c.blob_key] = max(self._ends.get(c.blob_key, 0), end)
+        self._cap = 2 * max(1, len(self._ends))  # two windows per blob in the chains
+        self._size = max(1 << 20, min(32 << 20, budget // self._cap))
+        self._windows: deque[_Window] = deque()
+        self._lock = threading.Lock()
+
+    def get(self, key: str, start: int, end: int) -> bytes | memoryview:
+        if start == end:
+            return b""
+        if end - start >= self._size:
+            return self._store.get(key, (start, end))
+        window, mine = self._window_for(key, start, end)
+        if mine:
+            try:
+                window.data.set_result(self._store.get(key, (window.start, window.end)))
+            except BaseException as exc:
+                window.data.set_exception(exc)
+                with self._lock:
+                    if window in self._windows:
+                        self._windows.remove(window)
+        return memoryview(window.data.result())[start - window.start : end - window.start]
+
+    def _window_for(self, key: str, start: int, end: int) -> tuple[_Window, bool]:
+        """The window holding ``[start, end)``, and whether the caller must fetch it."""
+        with self._lock:
+            for window in self._windows:
+                if window.key == key and window.start <= start and end <= window.end:
+                    return window, False
+            w_end = min(max(end, start + self._size), self._ends.get(key, end))
+            window = _Window(key, start, w_end, Future())
+            self._windows.append(window)
+            if len(self._windows) > self._cap:
+                self._windows.popleft()
+            return window, True
