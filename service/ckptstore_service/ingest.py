@@ -281,10 +281,10 @@ def _store(
                 p = pending.popleft()
                 enc = p.future.result()
                 base_id, depth = None, 0
-                if enc.codec == codec.REF or enc.codec.startswith(("sub/", "xor/")):
+                if enc.codec == codec.REF or codec.is_delta(enc.codec):
                     assert p.base is not None
                     base_id = p.base.chunk_id
-                    depth = p.base.depth + (enc.codec != codec.REF)
+                    depth = p.base.depth + codec.is_delta(enc.codec)
                 writer.write(enc.payload)
                 chunks.append(
                     NewChunk(
