@@ -119,7 +119,8 @@ def _residual(mode: str, raw: np.ndarray, base: np.ndarray | None) -> np.ndarray
     if mode == "none" or base is None:
         return raw
     if mode == "xor":
-        return np.bitwise_xor(raw, base)
+        flipped: np.ndarray = np.bitwise_xor(raw, base)
+        return flipped
     diff: np.ndarray = np.subtract(raw, base)  # unsigned: wraps modulo 2**bits
     if mode == "zsub":
         # zigzag: small negative differences become small positive ones, so the high byte
