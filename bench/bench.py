@@ -676,6 +676,8 @@ def main() -> None:
                     m = bench_zstd(ckpts, 2, repeats)
                 else:
                     m = bench_zipnn(ckpts, repeats)
+                # other work on the machine skews timings: keep a trace of it
+                m["loadavg_1m_after"] = os.getloadavg()[0]
                 entry["methods"][method] = m
                 rows.append(row(name, method, sum(raw), m))
                 log("  " + rows[-1])

@@ -48,6 +48,7 @@ __all__ = [
     "EncodedChunk",
     "checksum",
     "chunk_step",
+    "decode_chain",
     "decode_chunk",
     "is_delta",
     "encode_chunk",
@@ -251,12 +252,44 @@ def decode_chunk(
     if codec == REF:
         if base is None:
             raise CorruptData("ref chunk without a base")
-        out = bytes(base)
-    elif codec == RAW:
-        out = bytes(payload)
+        return decode_chain([(RAW, base)], itemsize, raw_len, expected)
+    if is_delta(codec):
+        if base is None:
+            raise CorruptData(f"{codec} chunk without a base")
+        return decode_chain([(RAW, base), (codec, payload)], itemsize, raw_len, expected)
+    return decode_chain([(codec, payload)], itemsize, raw_len, expected)
+
+
+def decode_chain(
+    links: Sequence[tuple[str, Buffer]], itemsize: int, raw_len: int, expected: bytes
+) -> bytes:
+    """Decode a chunk from its chain: ``links`` are ``(codec, payload)`` pairs, the first one
+    self-contained (``none``/``raw``), each next one a delta on the result so far.
+
+    The deltas are applied in place on one buffer, and only the final bytes are checked
+    against ``expected``: a corrupt link anywhere in the chain corrupts them too.
+    """
+    if not links or is_delta(links[0][0]) or links[0][0] == REF:
+        raise CorruptData("a chunk's chain must start with a self-contained chunk")
+    uint = _UINT[itemsize]
+    codec, payload = links[0]
+    if codec == RAW:
+        if len(payload) != raw_len:
+            raise CorruptData(f"raw chunk of {len(payload)} bytes, expected {raw_len}")
+        values = np.frombuffer(bytearray(payload), dtype=uint)
     else:
+        _parse_codec(codec, itemsize)
+        values = _decode_planes(memoryview(payload), itemsize, raw_len).view(uint)
+    for codec, payload in links[1:]:
         mode = _parse_codec(codec, itemsize)
-        out = _decode_planes(mode, memoryview(payload), base, itemsize, raw_len)
+        if mode == "none" or not is_delta(codec):
+            raise CorruptData(f"{codec} chunk in the middle of a chain")
+        residual = _decode_planes(memoryview(payload), itemsize, raw_len).view(uint)
+        if mode == "xor":
+            np.bitwise_xor(values, residual, out=values)
+        else:
+            np.add(values, _unzigzag(residual) if mode == "zsub" else residual, out=values)
+    out = values.tobytes()
     if len(out) != raw_len:
         raise CorruptData(f"chunk decoded to {len(out)} bytes, expected {raw_len}")
     if checksum(out) != expected:
@@ -264,17 +297,16 @@ def decode_chunk(
     return out
 
 
-def _decode_planes(
-    mode: str, payload: memoryview, base: Buffer | None, itemsize: int, raw_len: int
-) -> bytes:
+def _decode_planes(payload: memoryview, itemsize: int, raw_len: int) -> np.ndarray:
+    """The values a planes payload holds, as a flat writable uint8 array."""
     try:
         (count,) = struct.unpack_from("<B", payload, 0)
         entries = [struct.unpack_from("<BI", payload, 1 + 5 * i) for i in range(count)]
     except struct.error as exc:
         raise CorruptData(f"truncated plane table: {exc}") from exc
-    n = raw_len // (itemsize if count > 1 else 1)
-    if count not in (1, itemsize):
+    if count not in (1, itemsize) or raw_len % itemsize:
         raise CorruptData(f"{count} planes for {itemsize}-byte items")
+    n = raw_len // count
     pos = 1 + 5 * count
     dctx = _dctx()
     # planes are written into strided columns: ~6x faster than transposing a (planes, n) array
@@ -291,17 +323,4 @@ def _decode_planes(
         if len(data) != n:
             raise CorruptData(f"plane {i} holds {len(data)} bytes, expected {n}")
         values[:, i] = np.frombuffer(data, dtype=np.uint8)
-    uint = _UINT[itemsize]
-    residual = values.reshape(-1).view(uint)
-    if mode == "none":
-        return bytes(residual.tobytes())
-    if base is None:
-        raise CorruptData(f"{mode} chunk without a base")
-    base_v = np.frombuffer(base, dtype=uint)
-    if len(base_v) != len(residual):
-        raise CorruptData("base chunk length differs from the chunk")
-    if mode == "zsub":
-        return bytes(np.add(_unzigzag(residual), base_v).tobytes())
-    if mode == "sub":
-        return bytes(np.add(residual, base_v).tobytes())
-    return bytes(np.bitwise_xor(residual, base_v).tobytes())
+    return values.reshape(-1)

@@ -151,16 +151,28 @@ def _from_storage(
     reader = _WindowReader(rt.store, closure.values())
 
     def decode(c: ChunkInfo) -> bytes:
-        if c.codec == codec.REF:
-            assert c.base_id is not None
-            return decode(closure[c.base_id])
+        links = []  # newest first: the chunk, its base, ... down to a self-contained chunk
+        link = c
+        while True:
+            if link.codec != codec.REF:
+                links.append(link)
+            if link.codec != codec.REF and not codec.is_delta(link.codec):
+                break
+            assert link.base_id is not None
+            link = closure[link.base_id]
         t0 = time.perf_counter()
-        payload = reader.get(c.blob_key, c.blob_offset, c.blob_offset + c.stored_len)
-        stats.fetch_s += time.perf_counter() - t0
-        base = None if c.base_id is None else decode(closure[c.base_id])
-        t0 = time.perf_counter()
-        out = codec.decode_chunk(c.codec, payload, base, c.itemsize, c.raw_len, c.checksum)
-        stats.decode_s += time.perf_counter() - t0
+        payloads = [
+            reader.get(x.blob_key, x.blob_offset, x.blob_offset + x.stored_len) for x in links
+        ]
+        t1 = time.perf_counter()
+        out = codec.decode_chain(
+            [(x.codec, p) for x, p in zip(reversed(links), reversed(payloads), strict=True)],
+            c.itemsize,
+            c.raw_len,
+            c.checksum,
+        )
+        stats.fetch_s += t1 - t0
+        stats.decode_s += time.perf_counter() - t1
         return out
 
     pending: deque[tuple[int, Future[bytes]]] = deque()
