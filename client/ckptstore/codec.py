@@ -69,7 +69,9 @@ _PLANE_RAW, _PLANE_ZSTD = 0, 1
 # A plane is stored raw unless zstd gets it below this fraction of its size.
 _PLANE_GAIN = 0.95
 # Chunks above this size choose their mode and planes on a sample of this many bytes.
-_SAMPLE_BYTES = 48 << 10
+_SAMPLE_BYTES = 32 << 10
+# Modes the encoder tries (plain ``sub`` rarely beats ``zsub``; it stays decodable).
+_TRY_MODES = ("none", "zsub", "xor")
 _SAMPLE_WINDOWS = 4
 
 
@@ -132,9 +134,13 @@ def _residual(mode: str, raw: np.ndarray, base: np.ndarray | None) -> np.ndarray
 
 
 def _unzigzag(z: np.ndarray) -> np.ndarray:
-    ones = np.bitwise_and(z, 1).view(z.dtype.str.replace("u", "i"))
-    out: np.ndarray = np.bitwise_xor(z >> 1, np.negative(ones).view(z.dtype))
-    return out
+    """Inverse of the zigzag in :func:`_residual`: ``(z >> 1) ^ -(z & 1)``, in place on ``z``."""
+    signs = np.bitwise_and(z, 1)
+    signed = signs.view(z.dtype.str.replace("u", "i"))
+    np.negative(signed, out=signed)
+    np.right_shift(z, 1, out=z)
+    np.bitwise_xor(z, signs, out=z)
+    return z
 
 
 def _planes(values: np.ndarray, itemsize: int) -> list[np.ndarray]:
@@ -154,32 +160,25 @@ def _sample(arr: np.ndarray, count: int) -> np.ndarray:
     return np.concatenate([arr[i * stride : i * stride + window] for i in range(_SAMPLE_WINDOWS)])
 
 
-def _plane_sizes(planes: Sequence[np.ndarray], level: int) -> list[int]:
-    """Stored size of each plane: compressed when it pays, else raw."""
+def _pack_planes(
+    values: np.ndarray, itemsize: int, level: int, want: Sequence[bool] | None, gain: float
+) -> tuple[int, list[Buffer], list[int]]:
+    """Split into byte planes and zstd those in ``want`` (all if None) that shrink below
+    ``gain`` x their size; returns (total size, plane bodies, plane kinds)."""
     cctx = _cctx(level)
-    sizes = []
-    for plane in planes:
-        n = len(cctx.compress(plane.data))
-        sizes.append(n if n < _PLANE_GAIN * len(plane) else len(plane))
-    return sizes
-
-
-def _choose(
-    raw: np.ndarray, base: np.ndarray | None, itemsize: int, level: int
-) -> tuple[str, list[bool]]:
-    """Pick the residual mode and which planes to compress, on a sample."""
-    count = max(1, _SAMPLE_BYTES // itemsize)
-    raw_s = _sample(raw, count)
-    base_s = None if base is None else _sample(base, count)
-    best: tuple[int, str, list[bool]] | None = None
-    for mode in _MODES if base is not None else ("none",):
-        planes = _planes(_residual(mode, raw_s, base_s), itemsize)
-        sizes = _plane_sizes(planes, level)
-        total = sum(sizes)
-        if best is None or total < best[0]:
-            best = (total, mode, [s < len(p) for s, p in zip(sizes, planes, strict=True)])
-    assert best is not None
-    return best[1], best[2]
+    bodies: list[Buffer] = []
+    kinds: list[int] = []
+    planes = _planes(values, itemsize)
+    for i, plane in enumerate(planes):
+        body: Buffer = plane.data
+        kind = _PLANE_RAW
+        if want is None or want[i]:
+            packed = cctx.compress(plane.data)
+            if len(packed) < gain * len(plane):
+                body, kind = packed, _PLANE_ZSTD
+        bodies.append(body)
+        kinds.append(kind)
+    return sum(len(b) for b in bodies), bodies, kinds
 
 
 def encode_chunk(
@@ -207,24 +206,33 @@ def encode_chunk(
     uint = _UINT[itemsize]
     raw_v = np.frombuffer(raw, dtype=uint)
     base_v = None if base is None else np.frombuffer(base, dtype=uint)
-    mode, compress = _choose(raw_v, base_v, itemsize, level)
-    planes = _planes(_residual(mode, raw_v, base_v), itemsize)
-    cctx = _cctx(level)
-    table: list[Buffer] = [struct.pack("<B", len(planes))]
-    bodies: list[Buffer] = []
-    for plane, want in zip(planes, compress, strict=True):
-        body: Buffer = plane.data
-        kind = _PLANE_RAW
-        if want:
-            packed = cctx.compress(plane.data)
-            if len(packed) < len(plane):
-                body, kind = packed, _PLANE_ZSTD
-        table.append(struct.pack("<BI", kind, len(body)))
-        bodies.append(body)
-    payload = b"".join(table + bodies)
+    modes = _TRY_MODES if base_v is not None else ("none",)
+    count = max(1, _SAMPLE_BYTES // itemsize)
+    if len(raw_v) <= 2 * count:
+        # small chunk: encode it every way and keep the smallest
+        tries = [
+            (m, *_pack_planes(_residual(m, raw_v, base_v), itemsize, level, None, 1.0))
+            for m in modes
+        ]
+        mode, _, bodies, kinds = min(tries, key=lambda t: t[1])
+    else:
+        # large chunk: choose the mode and the planes worth compressing on a sample
+        raw_s = _sample(raw_v, count)
+        base_s = None if base_v is None else _sample(base_v, count)
+        trials = [
+            (m, *_pack_planes(_residual(m, raw_s, base_s), itemsize, level, None, _PLANE_GAIN))
+            for m in modes
+        ]
+        mode, _, _, sample_kinds = min(trials, key=lambda t: t[1])
+        want = [k == _PLANE_ZSTD for k in sample_kinds]
+        _, bodies, kinds = _pack_planes(_residual(mode, raw_v, base_v), itemsize, level, want, 1.0)
+    table = [struct.pack("<B", len(bodies))] + [
+        struct.pack("<BI", k, len(b)) for k, b in zip(kinds, bodies, strict=True)
+    ]
+    payload = b"".join([*table, *bodies])
     if len(payload) >= len(raw):
         return EncodedChunk(RAW, bytes(raw), digest)
-    return EncodedChunk(f"{mode}/1|planes{len(planes)}/1|zstd/1", payload, digest)
+    return EncodedChunk(f"{mode}/1|planes{len(bodies)}/1|zstd/1", payload, digest)
 
 
 def _parse_codec(codec: str, itemsize: int) -> str:

@@ -270,7 +270,6 @@ def _store(
     committed = False
     pending: deque[_Pending] = deque()
     try:
-        os.ftruncate(cache_fd, header.data_len)
         chunks: list[NewChunk] = []
         blob_offset = 0
         max_pending = 2 * rt.workers + 2

@@ -34,6 +34,7 @@ __all__ = ["CHECKSUMS_KEY", "Restore", "materialize", "open_restore"]
 
 CHECKSUMS_KEY = "ckptstore.xxh3_128"
 _READ_BYTES = 4 << 20
+_SEND_BYTES = 1 << 20
 log = logging.getLogger("ckptstore")
 
 
@@ -57,8 +58,7 @@ def open_restore(rt: Runtime, run: str, step: int | None, prefix: str | None) ->
     def body() -> Iterator[bytes]:
         t0 = time.perf_counter()
         stats = _Stats()
-        yield prefix_bytes
-        yield from _verified(tensors, _data(rt, info, tensors, stats))
+        yield from _coalesced(prefix_bytes, _verified(tensors, _data(rt, info, tensors, stats)))
         log.info(
             "loaded %s/%d: %d bytes in %.2fs from %s (fetch %.2fs, decode %.2fs, in threads)",
             info.run,
@@ -83,6 +83,20 @@ def materialize(rt: Runtime, info: CheckpointInfo, path: Path) -> None:
                 out.write(data)
     finally:
         os.close(fd)
+
+
+def _coalesced(first: bytes, pieces: Iterator[bytes]) -> Iterator[bytes]:
+    """Join small pieces into ~1 MiB writes: each piece costs a thread hop and a send."""
+    batch = [first]
+    size = len(first)
+    for piece in pieces:
+        if size and size + len(piece) > _SEND_BYTES:
+            yield batch[0] if len(batch) == 1 else b"".join(batch)
+            batch, size = [], 0
+        batch.append(piece)
+        size += len(piece)
+    if batch:
+        yield batch[0] if len(batch) == 1 else b"".join(batch)
 
 
 def _verified(tensors: list[TensorInfo], pieces: Iterator[tuple[int, bytes]]) -> Iterator[bytes]:

@@ -464,42 +464,38 @@ class Catalog:
     # -- tensors and chunks ---------------------------------------------------------------
 
     def tensors(self, checkpoint_id: int) -> list[TensorInfo]:
+        # Core rows, not ORM entities: a checkpoint has hundreds to thousands of these and
+        # building ORM instances for them cost more than the query.
         query = (
-            select(TensorRow)
+            select(
+                TensorRow.idx,
+                TensorRow.name,
+                TensorRow.dtype,
+                TensorRow.shape,
+                TensorRow.begin,
+                TensorRow.nbytes,
+                TensorRow.checksum,
+            )
             .where(TensorRow.checkpoint_id == checkpoint_id)
             .order_by(TensorRow.idx)
         )
         with self._session() as s:
-            rows = s.scalars(query).all()
+            rows = s.execute(query).all()
         return [
-            TensorInfo(
-                r.idx, r.name, r.dtype, tuple(json.loads(r.shape)), r.begin, r.nbytes, r.checksum
-            )
-            for r in rows
+            TensorInfo(idx, name, dtype, tuple(json.loads(shape)), begin, nbytes, digest)
+            for idx, name, dtype, shape, begin, nbytes, digest in rows
         ]
 
-    def _chunk_query(self) -> Any:
-        return select(Chunk, Checkpoint.blob_key).join(
-            Checkpoint, Checkpoint.id == Chunk.checkpoint_id
-        )
+    _CHUNK_COLUMNS = (*NewChunk.__slots__, "id")
 
-    @staticmethod
-    def _chunk(row: Any) -> ChunkInfo:
-        c, blob_key = row
-        return ChunkInfo(
-            tensor_idx=c.tensor_idx,
-            offset=c.offset,
-            raw_len=c.raw_len,
-            itemsize=c.itemsize,
-            codec=c.codec,
-            base_id=c.base_id,
-            depth=c.depth,
-            blob_offset=c.blob_offset,
-            stored_len=c.stored_len,
-            checksum=c.checksum,
-            id=c.id,
-            blob_key=blob_key,
-        )
+    def _chunk_query(self) -> Any:
+        return select(
+            *(getattr(Chunk, name) for name in self._CHUNK_COLUMNS), Checkpoint.blob_key
+        ).join(Checkpoint, Checkpoint.id == Chunk.checkpoint_id)
+
+    @classmethod
+    def _chunk(cls, row: Any) -> ChunkInfo:
+        return ChunkInfo(*row)
 
     def chunks(self, checkpoint_id: int) -> list[ChunkInfo]:
         query = (
