@@ -185,13 +185,16 @@ class CheckpointClient:
         from ckptstore.state import dtype_to_wire, flatten, tensor_bytes
 
         flat = flatten(state)
-        specs = [(name, dtype_to_wire(t.dtype), tuple(t.shape)) for name, t in flat.tensors]
+        # Wider dtypes first: the service predicts a bf16 copy from its fp32 master only once
+        # the master has arrived (the order is free: the skeleton refers to names).
+        ordered = sorted(flat.tensors, key=lambda nt: -nt[1].element_size())
+        specs = [(name, dtype_to_wire(t.dtype), tuple(t.shape)) for name, t in ordered]
         prefix, header = encode_header(specs, {"format": FORMAT, "skeleton": flat.skeleton})
         show = self.progress if progress is None else progress
 
         def body() -> Iterator[memoryview | bytes]:
             yield prefix
-            for _, tensor in flat.tensors:
+            for _, tensor in ordered:
                 data = tensor_bytes(tensor)
                 for off in range(0, len(data), _PIECE):
                     yield data[off : off + _PIECE]

@@ -47,10 +47,13 @@ __all__ = [
     "Buffer",
     "EncodedChunk",
     "checksum",
+    "CASTS",
+    "cast_prediction",
     "chunk_step",
     "decode_chain",
     "decode_chunk",
     "is_delta",
+    "split_cast",
     "encode_chunk",
 ]
 
@@ -92,11 +95,40 @@ def checksum(data: Buffer) -> bytes:
 
 
 def chunk_step(itemsize: int, chunk_bytes: int) -> int:
-    """Chunk length for a tensor: ``chunk_bytes`` rounded down to whole elements.
+    """Chunk length in bytes for a tensor of ``itemsize``-byte elements.
 
-    A tensor of ``n`` bytes is split into chunks ``[k * step, min((k + 1) * step, n))``.
+    Chunks hold ``chunk_bytes / 4`` elements whatever the dtype, so tensors of one shape but
+    different dtypes (a bf16 weight and its fp32 master copy) are cut at the same elements and
+    chunk ``k`` of one can be predicted from chunk ``k`` of the other. A tensor of ``n`` bytes
+    is split into chunks ``[k * step, min((k + 1) * step, n))``.
     """
-    return max(itemsize, chunk_bytes - chunk_bytes % itemsize)
+    return max(1, chunk_bytes // 4) * itemsize
+
+
+#: Lower-precision copies that can be predicted from an fp32 tensor, by wire dtype.
+CASTS = {"BF16": "cast-bf16/1", "F16": "cast-f16/1"}
+
+
+def cast_prediction(source: Buffer, dtype: str) -> bytes:
+    """What ``dtype`` (``BF16``/``F16``) copies of the fp32 values in ``source`` hold when
+    they were made by rounding to nearest even, as mixed-precision training does."""
+    values = np.frombuffer(source, dtype="<u4")
+    if dtype == "F16":
+        return bytes(values.view("<f4").astype("<f2").tobytes())
+    if dtype != "BF16":
+        raise ValueError(f"no cast prediction for {dtype}")
+    # round to nearest even on the top 16 bits (NaNs may come out wrong: only a prediction)
+    rounded = (values + 0x7FFF + ((values >> 16) & 1)) >> 16
+    return bytes(rounded.astype("<u2").tobytes())
+
+
+def split_cast(codec: str) -> tuple[str, str] | None:
+    """``("BF16", inner codec)`` for a chunk stored against a cast prediction, else None."""
+    head, sep, inner = codec.partition("|")
+    for dtype, spec in CASTS.items():
+        if head == spec and sep:
+            return dtype, inner
+    return None
 
 
 _local = threading.local()

@@ -21,7 +21,7 @@ import uuid
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import xxhash
 
@@ -141,6 +141,7 @@ class _Pending:
     raw_len: int
     itemsize: int
     base: _BaseChunk | None
+    cast: _CastFrom | None
     future: Future[codec.EncodedChunk]
 
 
@@ -165,6 +166,17 @@ def _rebuild_base(rt: Runtime, run: str, parent: CheckpointInfo) -> int:
     return fd
 
 
+@dataclass(frozen=True, slots=True)
+class _CastFrom:
+    """A bf16/f16 chunk predicted from the fp32 chunk ``source`` of the same checkpoint."""
+
+    dtype: str  # BF16 or F16
+    source: tuple[int, int]  # (tensor index, offset) of the fp32 chunk
+    file_offset: int  # of the fp32 chunk in the new base cache file
+    length: int
+    written: threading.Event  # set once the fp32 chunk is in the cache file
+
+
 def _encode_job(
     raw: bytearray,
     itemsize: int,
@@ -174,14 +186,49 @@ def _encode_job(
     delta: bool,
     cache_fd: int,
     cache_offset: int,
+    cast: _CastFrom | None,
+    written: threading.Event | None,
 ) -> codec.EncodedChunk:
-    base_bytes = None
-    if base is not None and base_fd is not None:
-        base_bytes = os.pread(base_fd, len(raw), base.file_offset)
-        if len(base_bytes) != len(raw):
-            raise RuntimeError("base cache file is shorter than the catalog says")
-    os.pwrite(cache_fd, raw, cache_offset)
-    return codec.encode_chunk(raw, base_bytes, itemsize, level, delta=delta)
+    try:
+        base_bytes = None
+        if cast is not None:
+            cast.written.wait()
+            source = os.pread(cache_fd, cast.length, cast.file_offset)
+            base_bytes = codec.cast_prediction(source, cast.dtype)
+        elif base is not None and base_fd is not None:
+            base_bytes = os.pread(base_fd, len(raw), base.file_offset)
+            if len(base_bytes) != len(raw):
+                raise RuntimeError("base cache file is shorter than the catalog says")
+        os.pwrite(cache_fd, raw, cache_offset)
+    finally:
+        if written is not None:
+            written.set()  # also on failure: the ingest fails anyway, nobody must hang
+    enc = codec.encode_chunk(raw, base_bytes, itemsize, level, delta=delta or cast is not None)
+    if cast is not None and (enc.codec == codec.REF or codec.is_delta(enc.codec)):
+        enc = replace(enc, codec=f"{codec.CASTS[cast.dtype]}|{enc.codec}")
+    return enc
+
+
+def _cast_sources(header: Header) -> dict[int, int]:
+    """bf16/f16 tensors that look like rounded copies of an earlier fp32 tensor.
+
+    The pairing is by shape and by name below the first path component, so
+    ``model/fc.weight`` (bf16) pairs with ``master/fc.weight`` (fp32). A tensor with several
+    candidates is left alone. Clients send fp32 tensors first so the master has arrived.
+    """
+    fp32: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    sources = {}
+    for i, t in enumerate(header.tensors):
+        tail = t.name.partition("/")[2]
+        if not tail or not t.nbytes:
+            continue
+        if t.dtype == "F32":
+            fp32.setdefault((tail, t.shape), []).append(i)
+        elif t.dtype in codec.CASTS:
+            found = fp32.get((tail, t.shape), [])
+            if len(found) == 1:
+                sources[i] = found[0]
+    return sources
 
 
 def ingest(
@@ -271,6 +318,11 @@ def _store(
     pending: deque[_Pending] = deque()
     try:
         chunks: list[NewChunk] = []
+        position: dict[tuple[int, int], int] = {}  # (tensor, offset) -> index in chunks
+        siblings: dict[int, int] = {}  # chunk index -> index of its fp32 base chunk
+        sources = _cast_sources(header)
+        needed = set(sources.values())
+        written: dict[tuple[int, int], threading.Event] = {}
         blob_offset = 0
         max_pending = 2 * rt.workers + 2
 
@@ -280,10 +332,14 @@ def _store(
                 p = pending.popleft()
                 enc = p.future.result()
                 base_id, depth = None, 0
-                if enc.codec == codec.REF or codec.is_delta(enc.codec):
+                if p.cast is not None and codec.split_cast(enc.codec):
+                    siblings[len(chunks)] = position[p.cast.source]
+                    depth = chunks[position[p.cast.source]].depth + 1
+                elif enc.codec == codec.REF or codec.is_delta(enc.codec):
                     assert p.base is not None
                     base_id = p.base.chunk_id
                     depth = p.base.depth + codec.is_delta(enc.codec)
+                position[(p.tensor_idx, p.offset)] = len(chunks)
                 writer.write(enc.payload)
                 chunks.append(
                     NewChunk(
@@ -318,6 +374,21 @@ def _store(
                     continue
                 base = index.get((spec.name, spec.dtype, spec.shape, begin, end - begin))
                 delta = not keyframe and base is not None and base.depth < s.max_chain_depth
+                cast = None
+                if piece.index in sources:
+                    src = header.tensors[sources[piece.index]]
+                    src_begin = begin // spec.itemsize * 4
+                    cast = _CastFrom(
+                        spec.dtype,
+                        (sources[piece.index], src_begin),
+                        src.begin + src_begin,
+                        (end - begin) // spec.itemsize * 4,
+                        written[(sources[piece.index], src_begin)],
+                    )
+                    base, delta = None, False
+                done = None
+                if piece.index in needed:
+                    done = written[(piece.index, begin)] = threading.Event()
                 future = rt.pool.submit(
                     _encode_job,
                     buf,
@@ -328,9 +399,11 @@ def _store(
                     delta,
                     cache_fd,
                     spec.begin + begin,
+                    cast,
+                    done,
                 )
                 pending.append(
-                    _Pending(piece.index, begin, end - begin, spec.itemsize, base, future)
+                    _Pending(piece.index, begin, end - begin, spec.itemsize, base, cast, future)
                 )
                 buf = bytearray()
                 drain(max_pending)
@@ -354,6 +427,7 @@ def _store(
             metadata=dict(header.metadata),
             tensors=tensors,
             chunks=chunks,
+            sibling_bases=siblings,
         )
         committed = True
         t_end = time.perf_counter()

@@ -164,29 +164,40 @@ def _from_storage(
     closure = rt.catalog.chunk_closure(chunks)
     reader = _WindowReader(rt.store, closure.values())
 
-    def decode(c: ChunkInfo) -> bytes:
-        links = []  # newest first: the chunk, its base, ... down to a self-contained chunk
-        link = c
-        while True:
-            if link.codec != codec.REF:
-                links.append(link)
-            if link.codec != codec.REF and not codec.is_delta(link.codec):
-                break
-            assert link.base_id is not None
-            link = closure[link.base_id]
+    def resolve(c: ChunkInfo) -> ChunkInfo:
+        while c.codec == codec.REF:  # a ref points at the chunk it equals
+            assert c.base_id is not None
+            c = closure[c.base_id]
+        return c
+
+    def fetch(c: ChunkInfo) -> bytes | memoryview:
         t0 = time.perf_counter()
-        payloads = [
-            reader.get(x.blob_key, x.blob_offset, x.blob_offset + x.stored_len) for x in links
-        ]
-        t1 = time.perf_counter()
-        out = codec.decode_chain(
-            [(x.codec, p) for x, p in zip(reversed(links), reversed(payloads), strict=True)],
-            c.itemsize,
-            c.raw_len,
-            c.checksum,
-        )
-        stats.fetch_s += t1 - t0
-        stats.decode_s += time.perf_counter() - t1
+        data = reader.get(c.blob_key, c.blob_offset, c.blob_offset + c.stored_len)
+        stats.fetch_s += time.perf_counter() - t0
+        return data
+
+    def decode(c: ChunkInfo) -> bytes:
+        """The raw bytes of ``c``: its chain back to a self-contained chunk, or to a chunk
+        predicted from an fp32 master (decoded first, then cast), decoded forward."""
+        c = resolve(c)
+        deltas = []
+        while codec.is_delta(c.codec):
+            deltas.append(c)
+            assert c.base_id is not None
+            c = resolve(closure[c.base_id])
+        cast = codec.split_cast(c.codec)
+        if cast is None:
+            links = [(c.codec, fetch(c))]
+        else:
+            assert c.base_id is not None
+            links = [(codec.RAW, codec.cast_prediction(decode(closure[c.base_id]), cast[0]))]
+            if cast[1] != codec.REF:
+                links.append((cast[1], fetch(c)))
+        links += [(d.codec, fetch(d)) for d in reversed(deltas)]
+        top = deltas[0] if deltas else c
+        t0 = time.perf_counter()
+        out = codec.decode_chain(links, top.itemsize, top.raw_len, top.checksum)
+        stats.decode_s += time.perf_counter() - t0
         return out
 
     pending: deque[tuple[int, Future[bytes]]] = deque()

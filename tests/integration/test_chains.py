@@ -94,7 +94,8 @@ def test_every_checkpoint_reloads_bit_exactly(
         infos = [client.save("mlp", 10 * i, s) for i, s in enumerate(states)]
         assert [i.keyframe for i in infos] == [i % KEYFRAME_INTERVAL == 0 for i in range(10)]
         assert [i.parent_step for i in infos] == [None] + [10 * i for i in range(9)]
-        assert max(i.chain_depth for i in infos) == KEYFRAME_INTERVAL - 1
+        # deltas since the keyframe, plus one for the bf16 copies cast from the fp32 model
+        assert max(i.chain_depth for i in infos) == KEYFRAME_INTERVAL
         assert sum(i.stored_bytes for i in infos) < 0.8 * sum(i.raw_bytes for i in infos)
         for i, state in enumerate(states):  # decoded from storage, through the chains
             assert_identical(client.load("mlp", 10 * i), state)
@@ -137,3 +138,29 @@ def test_prefix_idempotent_retry_and_conflict(
         assert middle.parent_step == 7
         assert_identical(client.load("retry"), states[2])
         assert_identical(client.load("retry", 8), states[1])
+
+
+def test_bf16_weights_are_predicted_from_their_fp32_master(service: Service) -> None:
+    """Mixed precision: the bf16 model is round(fp32 master), so it should cost ~nothing."""
+    g = torch.Generator().manual_seed(5)
+    master = {f"layer{i}.weight": torch.randn(256, 1024, generator=g) for i in range(4)}
+    model = {k: v.to(torch.bfloat16) for k, v in master.items()}
+    odd = model["layer3.weight"].clone()
+    odd[0, :7] += 1  # not every copy is an exact rounding: still bit-exact, just costs bytes
+    model["layer3.weight"] = odd
+    half = {"layer0.weight": master["layer0.weight"].half()}
+    state = {"model": model, "master": master, "fp16": half, "step": 1}
+    with CheckpointClient(service.url) as client:
+        info = client.save("mixed", 1, state)
+        alone = client.save("master-only", 1, {"master": master})
+        derived = info.stored_bytes - alone.stored_bytes
+        bf16_raw = sum(t.numel() * 2 for t in model.values()) + 256 * 1024 * 2
+        assert derived < bf16_raw / 50, (derived, bf16_raw)
+        assert_identical(client.load("mixed", 1), state)
+        only_model = client.load("mixed", 1, prefix="model/")  # needs the master's chunks
+        assert_identical(only_model, {"model": model})
+        nxt = {**state, "master": {k: v + 0.01 for k, v in master.items()}}
+        nxt["model"] = {k: v.to(torch.bfloat16) for k, v in nxt["master"].items()}
+        client.save("mixed", 2, nxt)
+        assert_identical(client.load("mixed", 2), nxt)
+        assert_identical(client.load("mixed", 1), state)

@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptstore.codec import REF, chunk_step, decode_chunk, encode_chunk, is_delta
+from ckptstore.codec import (
+    REF,
+    cast_prediction,
+    chunk_step,
+    decode_chunk,
+    encode_chunk,
+    is_delta,
+    split_cast,
+)
 from ckptstore.errors import CorruptData
 
 rng = np.random.default_rng(1234)
@@ -112,10 +120,25 @@ def test_corruption_is_detected() -> None:
         decode_chunk("raw/1", raw, None, 4, len(raw), b"\0" * 16)
 
 
-def test_chunk_step_is_element_aligned() -> None:
+def test_chunks_hold_the_same_elements_whatever_the_dtype() -> None:
     assert chunk_step(4, 1 << 20) == 1 << 20
-    assert chunk_step(8, 100) == 96
-    assert chunk_step(8, 4) == 8
+    assert chunk_step(2, 1 << 20) == 1 << 19
+    assert chunk_step(8, 100) == 200
+    assert chunk_step(1, 4) == 1
+
+
+def test_cast_prediction_matches_torch_rounding() -> None:
+    import torch
+
+    x = torch.randn(100_000, dtype=torch.float32) * 10
+    x[:3] = torch.tensor([0.0, -0.0, float("inf")])
+    src = x.numpy().tobytes()
+    assert cast_prediction(src, "BF16") == x.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    assert cast_prediction(src, "F16") == x.to(torch.float16).numpy().tobytes()
+    with pytest.raises(ValueError):
+        cast_prediction(src, "F64")
+    assert split_cast("cast-bf16/1|ref") == ("BF16", "ref")
+    assert split_cast("zsub/1|planes2/1|zstd/1") is None
 
 
 @settings(max_examples=200, deadline=None)

@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -396,9 +396,16 @@ class Catalog:
         stored_bytes: int,
         metadata: dict[str, str],
         tensors: Sequence[TensorInfo],
-        chunks: Iterable[NewChunk],
+        chunks: Sequence[NewChunk],
+        sibling_bases: Mapping[int, int] | None = None,
     ) -> None:
-        """Make the checkpoint visible: one transaction, after all its bytes are durable."""
+        """Make the checkpoint visible: one transaction, after all its bytes are durable.
+
+        ``sibling_bases`` maps the position of a chunk in ``chunks`` to the position of its
+        base when that base is a chunk of this same checkpoint (a bf16 copy predicted from its
+        fp32 master): those get their ``base_id`` once the others have ids.
+        """
+        siblings = dict(sibling_bases or {})
         tensor_rows = [
             {
                 "checkpoint_id": checkpoint_id,
@@ -416,12 +423,22 @@ class Catalog:
             {"checkpoint_id": checkpoint_id, **{f: getattr(c, f) for f in NewChunk.__slots__}}
             for c in chunks
         ]
+        first = [i for i in range(len(chunk_rows)) if i not in siblings]
         try:
             with self._session() as s:
                 if tensor_rows:
                     s.execute(insert(TensorRow), tensor_rows)
-                if chunk_rows:
+                if first and not siblings:
                     s.execute(insert(Chunk), chunk_rows)
+                elif first:
+                    ids = s.scalars(
+                        insert(Chunk).returning(Chunk.id, sort_by_parameter_order=True),
+                        [chunk_rows[i] for i in first],
+                    ).all()
+                    id_of = dict(zip(first, ids, strict=True))
+                    for i, base in siblings.items():
+                        chunk_rows[i]["base_id"] = id_of[base]
+                    s.execute(insert(Chunk), [chunk_rows[i] for i in siblings])
                 s.execute(
                     update(Checkpoint)
                     .where(Checkpoint.id == checkpoint_id)
