@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
+import numpy as np
 import xxhash
 
 from ckptstore import codec
@@ -178,7 +179,7 @@ class _CastFrom:
 
 
 def _encode_job(
-    raw: bytearray,
+    raw: np.ndarray,
     itemsize: int,
     level: int,
     base_fd: int | None,
@@ -199,11 +200,11 @@ def _encode_job(
             base_bytes = os.pread(base_fd, len(raw), base.file_offset)
             if len(base_bytes) != len(raw):
                 raise RuntimeError("base cache file is shorter than the catalog says")
-        os.pwrite(cache_fd, raw, cache_offset)
+        os.pwrite(cache_fd, raw.data, cache_offset)
     finally:
         if written is not None:
             written.set()  # also on failure: the ingest fails anyway, nobody must hang
-    enc = codec.encode_chunk(raw, base_bytes, itemsize, level, delta=delta or cast is not None)
+    enc = codec.encode_chunk(raw.data, base_bytes, itemsize, level, delta=delta or cast is not None)
     if cast is not None and (enc.codec == codec.REF or codec.is_delta(enc.codec)):
         enc = replace(enc, codec=f"{codec.CASTS[cast.dtype]}|{enc.codec}")
     return enc
@@ -358,17 +359,20 @@ def _store(
                 blob_offset += len(enc.payload)
 
         hashers = [xxhash.xxh3_128() for _ in header.tensors]
-        buf = bytearray()
+        buf = np.empty(0, np.uint8)
         for piece in _tensor_stream(parser, first, it):
             spec = header.tensors[piece.index]
             hashers[piece.index].update(piece.data)
             step_bytes = codec.chunk_step(spec.itemsize, s.chunk_bytes)
-            data, pos = piece.data, piece.offset
+            data, pos = np.frombuffer(piece.data, np.uint8), piece.offset
             while len(data):
                 begin = pos - pos % step_bytes  # the chunk that byte ``pos`` falls in
                 end = min(begin + step_bytes, spec.nbytes)
                 take = min(len(data), end - pos)
-                buf += data[:take]
+                if pos == begin:
+                    buf = np.empty(end - begin, np.uint8)
+                # a numpy copy releases the GIL, which the codec threads are waiting for
+                buf[pos - begin : pos - begin + take] = data[:take]
                 data, pos = data[take:], pos + take
                 if pos < end:
                     continue
@@ -405,7 +409,6 @@ def _store(
                 pending.append(
                     _Pending(piece.index, begin, end - begin, spec.itemsize, base, cast, future)
                 )
-                buf = bytearray()
                 drain(max_pending)
         t_body = time.perf_counter()
         drain(0)
