@@ -1,0 +1,56 @@
+"""The ``ckptstore`` command against a real service."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore import CheckpointClient
+from serviceproc import Service
+
+
+def cli(*args: str, url: str | None = None) -> subprocess.CompletedProcess[str]:
+    extra = ["--url", url] if url else []
+    return subprocess.run(
+        [sys.executable, "-m", "ckptstore.cli", *args, *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_runs_and_ls(service: Service) -> None:
+    with CheckpointClient(service.url) as client:
+        for step in (3, 6):
+            client.save("cli-run", step, {"w": torch.full((1000,), float(step))})
+    runs = cli("runs", url=service.url)
+    assert runs.returncode == 0, runs.stderr
+    assert "cli-run" in runs.stdout and " 6 " in runs.stdout
+    ls = cli("ls", "cli-run", url=service.url)
+    assert ls.returncode == 0, ls.stderr
+    lines = [line.split() for line in ls.stdout.splitlines()[1:]]
+    assert [row[0] for row in lines] == ["3", "6"]
+    assert lines[1][1] == "3"  # parent step
+    missing = cli("ls", "no-such-run", url=service.url)
+    assert missing.returncode == 1 and "no-such-run" in missing.stderr
+
+
+def test_db_upgrade(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'cat.sqlite3'}"
+    assert "none" in cli("db", "current", "--database-url", url).stdout
+    done = cli("db", "upgrade", "--database-url", url)
+    assert done.returncode == 0, done.stderr
+    assert "0001" in done.stdout
+
+
+def test_progress_bars(service: Service, capsys: pytest.CaptureFixture[str]) -> None:
+    with CheckpointClient(service.url, progress=True) as client:
+        client.save("bars", 1, {"w": torch.zeros(1 << 20)})
+        back = client.load("bars", 1)
+    assert torch.equal(back["w"], torch.zeros(1 << 20))
+    err = capsys.readouterr().err
+    assert "save bars/1" in err and "load bars/1" in err
