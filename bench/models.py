@@ -155,6 +155,16 @@ def _batch(data: torch.Tensor, batch: int, g: torch.Generator) -> torch.Tensor:
     return data[torch.randint(0, data.shape[0], (batch,), generator=g)]
 
 
+def _step(model: nn.Module, opt: Any, sched: Any, loss: torch.Tensor) -> float:
+    """One optimizer step (gradient clipping at 1.0, then the LR schedule); the loss."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return float(loss.item())
+
+
 def _snapshot(state: State) -> State:
     return copy.deepcopy(state)
 
@@ -186,12 +196,7 @@ def run_gpt_fp32(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]
         xy = _batch(data, size.batch, g)
         logits = model(xy[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, size.vocab), xy[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(_step(model, opt, sched, loss))
         if step % every == 0:
             ckpts.append((step, _snapshot(_state(model, opt, sched, step))))
             log(f"    step {step:4d} loss {sum(losses[-every:]) / every:.3f}")
@@ -273,12 +278,7 @@ def run_finetune(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]
         xy = _batch(pre, size.batch, g)
         logits = lm(xy[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, size.vocab), xy[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        pre_losses.append(loss.item())
+        pre_losses.append(_step(lm, opt, sched, loss))
         if step % 50 == 0 or step == size.pretrain_steps:
             recent = pre_losses[-50:]
             log(f"    pretrain step {step:4d} loss {sum(recent) / len(recent):.3f}")
@@ -312,12 +312,7 @@ def run_finetune(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]
         idx = torch.randint(0, xs.shape[0], (size.batch,), generator=g)
         logits = model.head(model.trunk(xs[idx]).mean(1))
         loss = F.cross_entropy(logits, ys[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(_step(model, opt, sched, loss))
         if step % every == 0:
             ckpts.append((step, _snapshot(_state(model, opt, sched, step))))
             log(f"    finetune step {step:4d} loss {sum(losses[-every:]) / every:.3f}")
