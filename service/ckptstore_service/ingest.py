@@ -191,23 +191,26 @@ def _encode_job(
     written: threading.Event | None,
 ) -> codec.EncodedChunk:
     try:
-        base_bytes = None
+        predicted = parent = None
         if cast is not None:
             cast.written.wait()
             source = os.pread(cache_fd, cast.length, cast.file_offset)
-            base_bytes = codec.cast_prediction(source, cast.dtype)
-        elif base is not None and base_fd is not None:
-            base_bytes = os.pread(base_fd, len(raw), base.file_offset)
-            if len(base_bytes) != len(raw):
+            predicted = codec.cast_prediction(source, cast.dtype)
+        if base is not None and base_fd is not None:
+            parent = os.pread(base_fd, len(raw), base.file_offset)
+            if len(parent) != len(raw):
                 raise RuntimeError("base cache file is shorter than the catalog says")
         os.pwrite(cache_fd, raw.data, cache_offset)
     finally:
         if written is not None:
             written.set()  # also on failure: the ingest fails anyway, nobody must hang
-    enc = codec.encode_chunk(raw.data, base_bytes, itemsize, level, delta=delta or cast is not None)
-    if cast is not None and (enc.codec == codec.REF or codec.is_delta(enc.codec)):
-        enc = replace(enc, codec=f"{codec.CASTS[cast.dtype]}|{enc.codec}")
-    return enc
+    if predicted is not None:
+        assert cast is not None
+        enc = codec.encode_chunk(raw.data, predicted, itemsize, level)
+        if enc.codec == codec.REF or codec.is_delta(enc.codec):
+            return replace(enc, codec=f"{codec.CASTS[cast.dtype]}|{enc.codec}")
+        # the copy is not a rounding of its master after all: the parent may do better
+    return codec.encode_chunk(raw.data, parent, itemsize, level, delta=delta)
 
 
 def _cast_sources(header: Header) -> dict[int, int]:
@@ -389,7 +392,6 @@ def _store(
                         (end - begin) // spec.itemsize * 4,
                         written[(sources[piece.index], src_begin)],
                     )
-                    base, delta = None, False
                 done = None
                 if piece.index in needed:
                     done = written[(piece.index, begin)] = threading.Event()
