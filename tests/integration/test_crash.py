@@ -1,0 +1,51 @@
+"""A service killed in the middle of an upload (embedded defaults: SQLite + local folder)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import torch
+
+from ckptstore import CheckpointClient
+from ckptstore.wire import FORMAT, encode_header
+from ckptstore_service.catalog import Catalog
+from serviceproc import Service, partial_upload
+
+
+def test_sigkill_mid_upload_leaves_nothing_and_the_retry_works(
+    make_service: Callable[..., Service], tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    svc = make_service(None, data)
+    with CheckpointClient(svc.url) as client:
+        client.save("crash", 1, {"w": torch.zeros(1000)})
+    n = 16 << 20
+    prefix, header = encode_header([("w", "U8", (n,))], {"format": FORMAT})
+    sock = partial_upload(svc.url, "crash", 2, prefix + os.urandom(n // 2), header.total_len)
+    catalog = Catalog(f"sqlite:///{data / 'catalog.sqlite3'}")
+    deadline = time.monotonic() + 20
+    while not catalog.uploads_in_progress() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    temp = data / "blobs" / ".tmp"
+    while not any(temp.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert catalog.uploads_in_progress() and any(temp.iterdir())
+    svc.kill()
+    sock.close()
+
+    svc = make_service(None, data)  # restart: the crashed upload is collected
+    assert catalog.uploads_in_progress() == []
+    assert list(temp.iterdir()) == []
+    listed = httpx.get(f"{svc.url}/v1/runs/crash/checkpoints").json()["checkpoints"]
+    assert [c["step"] for c in listed] == [1]
+    state = {"w": torch.arange(n, dtype=torch.uint8)}
+    with CheckpointClient(svc.url) as client:
+        assert client.save("crash", 2, state).parent_step == 1
+        assert torch.equal(client.load("crash")["w"], state["w"])
+    blobs = sorted(p.name for p in (data / "blobs" / "runs" / "crash").iterdir())
+    assert len(blobs) == 2  # the crashed upload's blob never appeared
+    catalog.close()
