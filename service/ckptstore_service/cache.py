@@ -22,6 +22,8 @@ from pathlib import Path
 
 __all__ = ["BaseCache", "CachedBase"]
 
+_ANY = object()
+
 
 @dataclass(frozen=True, slots=True)
 class CachedBase:
@@ -61,8 +63,20 @@ class BaseCache:
         """A fresh temp path to fill; pass it to :meth:`install` or :meth:`discard`."""
         return self.root / "tmp" / uuid.uuid4().hex
 
-    def install(self, run: str, checkpoint_id: int, tmp: Path) -> None:
-        """Make ``tmp`` (the data of ``checkpoint_id``, now the run's latest) its cached base."""
+    def current(self, run: str) -> int | None:
+        """The checkpoint id cached for ``run``, if any."""
+        with self._lock:
+            entry = self._entries.get(run)
+            return None if entry is None else entry.checkpoint_id
+
+    def install(
+        self, run: str, checkpoint_id: int, tmp: Path, *, if_current: object = _ANY
+    ) -> None:
+        """Make ``tmp`` (the data of ``checkpoint_id``, now the run's latest) its cached base.
+
+        With ``if_current``, only if the run's entry is still that checkpoint id (or None):
+        a reader filling the cache must not replace what a newer save installed meanwhile.
+        """
         size = tmp.stat().st_size
         if size > self.max_bytes:
             self.discard(tmp)
@@ -70,6 +84,12 @@ class BaseCache:
         final = self.root / f"{checkpoint_id}.bin"
         with self._lock:
             old = self._entries.get(run)
+            if (
+                if_current is not _ANY
+                and (None if old is None else old.checkpoint_id) != if_current
+            ):
+                tmp.unlink(missing_ok=True)
+                return
             os.replace(tmp, final)
             if old is not None and old.path != final:
                 old.path.unlink(missing_ok=True)

@@ -58,7 +58,10 @@ def open_restore(rt: Runtime, run: str, step: int | None, prefix: str | None) ->
     def body() -> Iterator[bytes]:
         t0 = time.perf_counter()
         stats = _Stats()
-        yield from _coalesced(prefix_bytes, _verified(tensors, _data(rt, info, tensors, stats)))
+        data = _verified(tensors, _data(rt, info, tensors, stats))
+        if stats.source == "storage" and not prefix:
+            data = _fill_cache(rt, info, data)
+        yield from _coalesced(prefix_bytes, data)
         log.info(
             "loaded %s/%d: %d bytes in %.2fs from %s (fetch %.2fs, decode %.2fs, in threads)",
             info.run,
@@ -83,6 +86,30 @@ def materialize(rt: Runtime, info: CheckpointInfo, path: Path) -> None:
                 out.write(data)
     finally:
         os.close(fd)
+
+
+def _fill_cache(rt: Runtime, info: CheckpointInfo, data: Iterator[bytes]) -> Iterator[bytes]:
+    """Pass the decoded data through, keeping a copy as the run's base cache if it is the
+    latest: a cache miss (a restart, another replica's save) then costs one decode, not one
+    per GET of ``latest`` plus another one at the run's next save."""
+    latest = rt.catalog.find(info.run, None)
+    if latest is None or latest.id != info.id:
+        yield from data
+        return
+    before = rt.cache.current(info.run)
+    tmp = rt.cache.new_file()
+    complete = False
+    try:
+        with open(tmp, "wb") as out:
+            for piece in data:
+                out.write(piece)
+                yield piece
+        complete = True
+    finally:
+        if complete:
+            rt.cache.install(info.run, info.id, tmp, if_current=before)
+        else:
+            rt.cache.discard(tmp)
 
 
 def _coalesced(first: bytes, pieces: Iterator[bytes]) -> Iterator[bytes]:

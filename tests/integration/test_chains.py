@@ -106,6 +106,16 @@ def test_every_checkpoint_reloads_bit_exactly(
 
     svc.stop()  # a restart wipes the base cache: the next save must rebuild its base
     svc = make_service(env, data_dir)
+    cache = data_dir / "cache"
+    with CheckpointClient(svc.url) as client:
+        assert list(cache.glob("*.bin")) == []
+        client.load("mlp", 50)  # not the latest: decoded, not cached
+        assert list(cache.glob("*.bin")) == []
+        assert_identical(client.load("mlp"), states[-1])  # decoded, and kept as the base
+        (cached,) = cache.glob("*.bin")
+        assert cached.stat().st_size == infos[-1].raw_bytes
+    svc.stop()
+    svc = make_service(env, data_dir)
     with CheckpointClient(svc.url) as client:
         extra = copy.deepcopy(states[-1])
         extra["step"] = 100
