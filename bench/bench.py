@@ -756,6 +756,12 @@ def main() -> None:
             f"peak service memory on cold load {c['peak_service_mem_load_bytes'] / MB:.0f} MB"
         )
     print()
+    print("stored MB per checkpoint, in order")
+    for name, r in results["runs"].items():
+        for method, m in r["methods"].items():
+            per = " ".join(f"{b / MB:6.2f}" for b in m["stored_per_ckpt"])
+            print(f"  {name:17} {method:26} {per}")
+    print()
     print(
         "compression ratio by part of the state (raw/stored; ckptstore: all checkpoints and "
         "delta checkpoints only, from its catalog; zipnn: all checkpoints; top delta codec)"
