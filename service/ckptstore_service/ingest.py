@@ -143,6 +143,7 @@ class _Pending:
     itemsize: int
     base: _BaseChunk | None
     cast: _CastFrom | None
+    block: np.ndarray  # the recycled buffer that holds the raw chunk
     future: Future[codec.EncodedChunk]
 
 
@@ -189,17 +190,20 @@ def _encode_job(
     cache_offset: int,
     cast: _CastFrom | None,
     written: threading.Event | None,
+    scratch: np.ndarray,
 ) -> codec.EncodedChunk:
     try:
-        predicted = parent = None
+        predicted: bytes | None = None
+        parent: memoryview | None = None
         if cast is not None:
             cast.written.wait()
             source = os.pread(cache_fd, cast.length, cast.file_offset)
             predicted = codec.cast_prediction(source, cast.dtype)
         if base is not None and base_fd is not None:
-            parent = os.pread(base_fd, len(raw), base.file_offset)
-            if len(parent) != len(raw):
+            view = scratch[: len(raw)]
+            if os.preadv(base_fd, [view.data], base.file_offset) != len(raw):
                 raise RuntimeError("base cache file is shorter than the catalog says")
+            parent = view.data
         os.pwrite(cache_fd, raw.data, cache_offset)
     finally:
         if written is not None:
@@ -335,6 +339,7 @@ def _store(
             while len(pending) > limit:
                 p = pending.popleft()
                 enc = p.future.result()
+                free.append(p.block)
                 base_id, depth = None, 0
                 if p.cast is not None and codec.split_cast(enc.codec):
                     siblings[len(chunks)] = position[p.cast.source]
@@ -362,7 +367,10 @@ def _store(
                 blob_offset += len(enc.payload)
 
         hashers = [xxhash.xxh3_128() for _ in header.tensors]
-        buf = np.empty(0, np.uint8)
+        # Chunk buffers are recycled once encoded: fresh ones cost a page fault per 4 KiB.
+        free: list[np.ndarray] = []
+        largest = codec.chunk_step(8, s.chunk_bytes)
+        block = buf = np.empty(0, np.uint8)
         for piece in _tensor_stream(parser, first, it):
             spec = header.tensors[piece.index]
             hashers[piece.index].update(piece.data)
@@ -373,7 +381,9 @@ def _store(
                 end = min(begin + step_bytes, spec.nbytes)
                 take = min(len(data), end - pos)
                 if pos == begin:
-                    buf = np.empty(end - begin, np.uint8)
+                    # one half for the chunk, one for its base (read in the job)
+                    block = free.pop() if free else np.empty(2 * largest, np.uint8)
+                    buf = block[: end - begin]
                 # a numpy copy releases the GIL, which the codec threads are waiting for
                 buf[pos - begin : pos - begin + take] = data[:take]
                 data, pos = data[take:], pos + take
@@ -407,9 +417,12 @@ def _store(
                     spec.begin + begin,
                     cast,
                     done,
+                    block[largest:],
                 )
                 pending.append(
-                    _Pending(piece.index, begin, end - begin, spec.itemsize, base, cast, future)
+                    _Pending(
+                        piece.index, begin, end - begin, spec.itemsize, base, cast, block, future
+                    )
                 )
                 drain(max_pending)
         t_body = time.perf_counter()

@@ -46,15 +46,24 @@ class BodyPipe:
         """Consumer side, from its worker thread: stop the producer."""
         anyio.from_thread.run_sync(self._recv.close)
 
+    async def _receive_all(self) -> list[object]:
+        """Wait for one item, then take whatever else is queued: one thread hop for all."""
+        items = [await self._recv.receive()]
+        while True:
+            try:
+                items.append(self._recv.receive_nowait())
+            except anyio.WouldBlock:
+                return items
+
     def __iter__(self) -> Iterator[bytes]:
         while True:
-            item = anyio.from_thread.run(self._recv.receive)
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            assert isinstance(item, list)
-            yield from item
+            for item in anyio.from_thread.run(self._receive_all):
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                assert isinstance(item, list)
+                yield from item
 
 
 async def receive_body(request: Request, ended: list[bool]) -> AsyncIterator[bytes]:
