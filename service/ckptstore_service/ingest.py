@@ -316,9 +316,14 @@ def _store(
         base_fd = rt.cache.open(run, parent.id)
         if base_fd is None:
             base_fd = _rebuild_base(rt, run, parent)
-    run_id = rt.catalog.ensure_run(run)
-    blob_key = f"runs/{run}/{step}-{uuid.uuid4().hex}.blob"
-    checkpoint_id = rt.catalog.begin_upload(run_id, step, blob_key)
+    try:
+        run_id = rt.catalog.ensure_run(run)
+        blob_key = f"runs/{run}/{step}-{uuid.uuid4().hex}.blob"
+        checkpoint_id = rt.catalog.begin_upload(run_id, step, blob_key)
+    except BaseException:
+        if base_fd is not None:
+            os.close(base_fd)
+        raise
     cache_tmp = rt.cache.new_file()
     cache_fd = os.open(cache_tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     writer = _BlobWriter(rt.store, blob_key)
