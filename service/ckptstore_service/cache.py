@@ -41,11 +41,6 @@ class BaseCache:
         self._entries: OrderedDict[str, CachedBase] = OrderedDict()
         self._lock = threading.Lock()
 
-    @property
-    def total_bytes(self) -> int:
-        with self._lock:
-            return sum(e.size for e in self._entries.values())
-
     def open(self, run: str, checkpoint_id: int) -> int | None:
         """A read-only fd of the cached checkpoint, or None on a miss. Caller closes it."""
         with self._lock:
@@ -101,12 +96,6 @@ class BaseCache:
                 evicted.path.unlink(missing_ok=True)
                 total -= evicted.size
         self.discard(tmp)
-
-    def drop(self, run: str) -> None:
-        with self._lock:
-            entry = self._entries.pop(run, None)
-        if entry is not None:
-            entry.path.unlink(missing_ok=True)
 
     @staticmethod
     def discard(tmp: Path) -> None:
