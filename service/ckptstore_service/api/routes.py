@@ -32,14 +32,14 @@ async def healthz(rt: RuntimeDep) -> dict[str, str]:
 @router.get("/v1/runs")
 async def list_runs(rt: RuntimeDep) -> RunsOut:
     runs = await run_in_threadpool(rt.catalog.list_runs)
-    return RunsOut(runs=[RunOut.of(r) for r in runs])
+    return RunsOut(runs=[RunOut.model_validate(r) for r in runs])
 
 
 @router.get("/v1/runs/{run}/checkpoints")
 async def list_checkpoints(run: str, rt: RuntimeDep) -> CheckpointsOut:
     check_run_name(run)
     infos = await run_in_threadpool(rt.catalog.list_checkpoints, run)
-    return CheckpointsOut(run=run, checkpoints=[CheckpointOut.of(i) for i in infos])
+    return CheckpointsOut(run=run, checkpoints=[CheckpointOut.model_validate(i) for i in infos])
 
 
 @router.get("/v1/runs/{run}/checkpoints/{step}", response_model=None)
@@ -94,7 +94,8 @@ async def save_checkpoint(
         raise failure[0]
     info, created = outcome[0]
     return JSONResponse(
-        CheckpointOut.of(info).model_dump(mode="json"), status_code=201 if created else 200
+        CheckpointOut.model_validate(info).model_dump(mode="json"),
+        status_code=201 if created else 200,
     )
 
 

@@ -1,17 +1,19 @@
-"""JSON shapes of the API's responses."""
+"""JSON shapes of the API's responses, read straight off the catalog's dataclasses."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel
-
-from ckptstore_service.catalog import CheckpointInfo, RunInfo
+from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["CheckpointOut", "CheckpointsOut", "RunOut", "RunsOut"]
 
 
-class CheckpointOut(BaseModel):
+class _FromCatalog(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class CheckpointOut(_FromCatalog):
     run: str
     step: int
     parent_step: int | None
@@ -20,21 +22,7 @@ class CheckpointOut(BaseModel):
     raw_bytes: int
     stored_bytes: int
     tensors: int
-    created: datetime
-
-    @classmethod
-    def of(cls, info: CheckpointInfo) -> CheckpointOut:
-        return cls(
-            run=info.run,
-            step=info.step,
-            parent_step=info.parent_step,
-            keyframe=info.keyframe,
-            chain_depth=info.chain_depth,
-            raw_bytes=info.raw_bytes,
-            stored_bytes=info.stored_bytes,
-            tensors=info.tensors,
-            created=info.created_at,
-        )
+    created: datetime = Field(validation_alias="created_at")
 
 
 class CheckpointsOut(BaseModel):
@@ -42,24 +30,13 @@ class CheckpointsOut(BaseModel):
     checkpoints: list[CheckpointOut]
 
 
-class RunOut(BaseModel):
+class RunOut(_FromCatalog):
     name: str
     checkpoints: int
     latest_step: int
     raw_bytes: int
     stored_bytes: int
-    created: datetime
-
-    @classmethod
-    def of(cls, info: RunInfo) -> RunOut:
-        return cls(
-            name=info.name,
-            checkpoints=info.checkpoints,
-            latest_step=info.latest_step,
-            raw_bytes=info.raw_bytes,
-            stored_bytes=info.stored_bytes,
-            created=info.created_at,
-        )
+    created: datetime = Field(validation_alias="created_at")
 
 
 class RunsOut(BaseModel):
