@@ -7,6 +7,10 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch-free at import; the client is imported when a command needs it
+    from ckptstore.client import CheckpointClient
 
 __all__ = ["main"]
 
@@ -54,7 +58,7 @@ def _db(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _client(args: argparse.Namespace) -> CheckpointClient:
     from ckptstore.client import CheckpointClient
 
     return CheckpointClient(args.url)

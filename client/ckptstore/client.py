@@ -62,7 +62,7 @@ class CheckpointInfo:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> CheckpointInfo:
-        return cls(**{**obj, "created": datetime.fromisoformat(obj["created"])})
+        return cls(**_parsed(obj))
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,12 @@ class RunInfo:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> RunInfo:
-        return cls(**{**obj, "created": datetime.fromisoformat(obj["created"])})
+        return cls(**_parsed(obj))
+
+
+def _parsed(obj: dict[str, Any]) -> dict[str, Any]:
+    """The service's JSON with its ``created`` timestamp as a datetime."""
+    return {**obj, "created": datetime.fromisoformat(obj["created"])}
 
 
 class _Progress:

@@ -337,7 +337,7 @@ def _store(
         needed = set(sources.values())
         written: dict[tuple[int, int], threading.Event] = {}
         blob_offset = 0
-        max_pending = 2 * rt.workers + 2
+        max_pending = rt.in_flight
 
         def drain(limit: int) -> None:
             nonlocal blob_offset

@@ -228,7 +228,7 @@ def _from_storage(
         return out
 
     pending: deque[tuple[int, Future[bytes]]] = deque()
-    ahead = 2 * rt.workers + 2
+    ahead = rt.in_flight
     try:
         for c in chunks:
             pending.append((c.tensor_idx, rt.pool.submit(decode, c)))

@@ -49,6 +49,7 @@ class Runtime:
     store: BlobStore
     cache: BaseCache
     pool: ThreadPoolExecutor
+    workers: int
 
     @classmethod
     def open(cls, settings: Settings) -> Runtime:
@@ -68,13 +69,15 @@ class Runtime:
         cache = BaseCache(settings.resolved_cache_dir(), settings.cache_bytes)
         workers = settings.workers or os.cpu_count() or 2
         pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptstore-codec")
-        runtime = cls(settings, catalog, store, cache, pool)
+        runtime = cls(settings, catalog, store, cache, pool, workers)
         runtime.collect_crashed_uploads()
         return runtime
 
     @property
-    def workers(self) -> int:
-        return self.pool._max_workers
+    def in_flight(self) -> int:
+        """Chunks a save or a load keeps queued in the codec pool: enough to keep every
+        worker busy, few enough to bound memory."""
+        return 2 * self.workers + 2
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
