@@ -33,6 +33,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
 bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/bench.py
 
 clean:

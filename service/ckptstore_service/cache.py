@@ -8,10 +8,17 @@ replica whose cache is behind the database simply misses and rebuilds from stora
 Bounded by ``max_bytes``, least recently used run evicted first. A file that is replaced or
 evicted while a reader has it open stays readable to that reader (POSIX unlink semantics).
 The folder is wiped at start-up: nothing in it is trusted across restarts.
+
+Files are recycled: when a run's base is replaced, the old file becomes the run's *spare* and
+the next save overwrites it in place. Its pages are still in the page cache, so rewriting them
+is a memcpy, where a fresh file costs the kernel a page allocation and block allocation per
+4 KiB (measured here: 70 MB in 0.01 s against 0.1-0.25 s of system time). Readers hold a
+shared ``flock`` on their descriptor; a spare that a reader still holds is not reused.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import threading
@@ -20,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BaseCache", "CachedBase"]
+__all__ = ["BaseCache", "CachedBase", "open_reader"]
 
 _ANY = object()
 
@@ -32,6 +39,13 @@ class CachedBase:
     size: int
 
 
+def open_reader(path: Path) -> int:
+    """A read-only fd of a cache file, holding the shared lock that keeps it from reuse."""
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
 class BaseCache:
     def __init__(self, root: Path, max_bytes: int) -> None:
         self.root = root
@@ -39,6 +53,7 @@ class BaseCache:
         shutil.rmtree(root, ignore_errors=True)
         (root / "tmp").mkdir(parents=True, exist_ok=True)
         self._entries: OrderedDict[str, CachedBase] = OrderedDict()
+        self._spares: OrderedDict[str, CachedBase] = OrderedDict()
         self._lock = threading.Lock()
 
     def open(self, run: str, checkpoint_id: int) -> int | None:
@@ -49,13 +64,31 @@ class BaseCache:
                 return None
             self._entries.move_to_end(run)
             try:
-                return os.open(entry.path, os.O_RDONLY)
+                return open_reader(entry.path)
             except FileNotFoundError:
                 del self._entries[run]
                 return None
 
-    def new_file(self) -> Path:
-        """A fresh temp path to fill; pass it to :meth:`install` or :meth:`discard`."""
+    def new_file(self, run: str) -> Path:
+        """A temp path to fill for ``run``: its spare when no reader holds it, else a fresh
+        name. Open it without truncating (``O_RDWR | O_CREAT``) and overwrite it; pass it to
+        :meth:`install` (which cuts it to size) or :meth:`discard`."""
+        with self._lock:
+            spare = self._spares.pop(run, None)
+        if spare is not None:
+            try:
+                fd = os.open(spare.path, os.O_RDONLY)
+            except FileNotFoundError:
+                pass
+            else:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    # nobody can start reading a spare, so the file is ours from here on
+                    return spare.path
+                except BlockingIOError:
+                    spare.path.unlink(missing_ok=True)  # a reader keeps its copy
+                finally:
+                    os.close(fd)
         return self.root / "tmp" / uuid.uuid4().hex
 
     def current(self, run: str) -> int | None:
@@ -65,17 +98,18 @@ class BaseCache:
             return None if entry is None else entry.checkpoint_id
 
     def install(
-        self, run: str, checkpoint_id: int, tmp: Path, *, if_current: object = _ANY
+        self, run: str, checkpoint_id: int, tmp: Path, size: int, *, if_current: object = _ANY
     ) -> None:
-        """Make ``tmp`` (the data of ``checkpoint_id``, now the run's latest) its cached base.
+        """Make ``tmp`` (the ``size`` bytes of ``checkpoint_id``, now the run's latest) its
+        cached base; the file is cut to ``size`` (a recycled one may be longer).
 
         With ``if_current``, only if the run's entry is still that checkpoint id (or None):
         a reader filling the cache must not replace what a newer save installed meanwhile.
         """
-        size = tmp.stat().st_size
         if size > self.max_bytes:
             self.discard(tmp)
             return
+        os.truncate(tmp, size)
         final = self.root / f"{checkpoint_id}.bin"
         with self._lock:
             old = self._entries.get(run)
@@ -87,15 +121,35 @@ class BaseCache:
                 return
             os.replace(tmp, final)
             if old is not None and old.path != final:
-                old.path.unlink(missing_ok=True)
+                self._keep_spare(run, old)
             self._entries[run] = CachedBase(checkpoint_id, final, size)
             self._entries.move_to_end(run)
-            total = sum(e.size for e in self._entries.values())
-            while total > self.max_bytes and len(self._entries) > 1:
-                _, evicted = self._entries.popitem(last=False)
-                evicted.path.unlink(missing_ok=True)
-                total -= evicted.size
+            self._evict()
         self.discard(tmp)
+
+    def _keep_spare(self, run: str, old: CachedBase) -> None:
+        spare = self.root / "tmp" / uuid.uuid4().hex
+        try:
+            os.replace(old.path, spare)
+        except FileNotFoundError:
+            return
+        previous = self._spares.pop(run, None)
+        if previous is not None:
+            previous.path.unlink(missing_ok=True)
+        self._spares[run] = CachedBase(old.checkpoint_id, spare, old.size)
+
+    def _evict(self) -> None:
+        """Spares first, then least recently used runs, until within ``max_bytes``."""
+        total = sum(e.size for e in self._entries.values())
+        total += sum(e.size for e in self._spares.values())
+        while total > self.max_bytes and self._spares:
+            _, spare = self._spares.popitem(last=False)
+            spare.path.unlink(missing_ok=True)
+            total -= spare.size
+        while total > self.max_bytes and len(self._entries) > 1:
+            _, evicted = self._entries.popitem(last=False)
+            evicted.path.unlink(missing_ok=True)
+            total -= evicted.size
 
     @staticmethod
     def discard(tmp: Path) -> None:

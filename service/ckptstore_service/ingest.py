@@ -29,6 +29,7 @@ import xxhash
 from ckptstore import codec
 from ckptstore.errors import CheckpointExists, InvalidStream
 from ckptstore.wire import Header, StreamParser, TensorPiece
+from ckptstore_service.cache import open_reader
 from ckptstore_service.catalog import CheckpointInfo, NewChunk, TensorInfo
 from ckptstore_service.restore import materialize
 from ckptstore_service.runtime import Runtime
@@ -153,16 +154,16 @@ def _rebuild_base(rt: Runtime, run: str, parent: CheckpointInfo) -> int:
     The file is installed in the cache only if the parent is still the run's latest; the fd
     stays readable either way.
     """
-    tmp = rt.cache.new_file()
+    tmp = rt.cache.new_file(run)
     try:
         materialize(rt, parent, tmp)
-        fd = os.open(tmp, os.O_RDONLY)
+        fd = open_reader(tmp)
     except BaseException:
         rt.cache.discard(tmp)
         raise
     latest = rt.catalog.find(run, None)
     if latest is not None and latest.id == parent.id:
-        rt.cache.install(run, parent.id, tmp)
+        rt.cache.install(run, parent.id, tmp, parent.raw_bytes)
     else:
         rt.cache.discard(tmp)
     return fd
@@ -324,8 +325,8 @@ def _store(
         if base_fd is not None:
             os.close(base_fd)
         raise
-    cache_tmp = rt.cache.new_file()
-    cache_fd = os.open(cache_tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    cache_tmp = rt.cache.new_file(run)
+    cache_fd = os.open(cache_tmp, os.O_RDWR | os.O_CREAT, 0o600)
     writer = _BlobWriter(rt.store, blob_key)
     committed = False
     pending: deque[_Pending] = deque()
@@ -483,7 +484,7 @@ def _store(
         os.close(cache_fd)
     latest = rt.catalog.find(run, None)
     if latest is not None and latest.id == checkpoint_id:
-        rt.cache.install(run, checkpoint_id, cache_tmp)
+        rt.cache.install(run, checkpoint_id, cache_tmp, header.data_len)
     else:
         rt.cache.discard(cache_tmp)
     return rt.catalog.get(run, step)

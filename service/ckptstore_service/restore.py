@@ -79,7 +79,7 @@ def open_restore(rt: Runtime, run: str, step: int | None, prefix: str | None) ->
 def materialize(rt: Runtime, info: CheckpointInfo, path: Path) -> None:
     """Write the checkpoint's raw data section (the base cache layout) to ``path``."""
     tensors = rt.catalog.tensors(info.id)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)  # a recycled file: overwritten
     try:
         with os.fdopen(fd, "wb", closefd=False) as out:
             for data in _verified(tensors, _data(rt, info, tensors)):
@@ -97,17 +97,18 @@ def _fill_cache(rt: Runtime, info: CheckpointInfo, data: Iterator[bytes]) -> Ite
         yield from data
         return
     before = rt.cache.current(info.run)
-    tmp = rt.cache.new_file()
+    tmp = rt.cache.new_file(info.run)
+    size = 0
     complete = False
     try:
-        with open(tmp, "wb") as out:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as out:
             for piece in data:
-                out.write(piece)
+                size += out.write(piece)
                 yield piece
         complete = True
     finally:
         if complete:
-            rt.cache.install(info.run, info.id, tmp, if_current=before)
+            rt.cache.install(info.run, info.id, tmp, size, if_current=before)
         else:
             rt.cache.discard(tmp)
 

@@ -8,10 +8,16 @@ from pathlib import Path
 from ckptstore_service.cache import BaseCache
 
 
-def filled(cache: BaseCache, size: int) -> Path:
-    tmp = cache.new_file()
-    tmp.write_bytes(os.urandom(size))
+def filled(cache: BaseCache, size: int, run: str = "other") -> Path:
+    tmp = cache.new_file(run)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT)  # as the service does: overwrite, no truncate
+    os.write(fd, os.urandom(size))
+    os.close(fd)
     return tmp
+
+
+def install(cache: BaseCache, run: str, checkpoint_id: int, size: int, **kw: object) -> None:
+    cache.install(run, checkpoint_id, filled(cache, size, run), size, **kw)
 
 
 def read(cache: BaseCache, run: str, checkpoint_id: int) -> bytes | None:
@@ -31,20 +37,20 @@ def test_newest_per_run_and_lru_eviction(tmp_path: Path) -> None:
     assert not (tmp_path / "cache" / "stale.bin").exists()  # wiped at start-up
     a1 = filled(cache, 1000)
     data = a1.read_bytes()
-    cache.install("a", 1, a1)
+    cache.install("a", 1, a1, 1000)
     assert read(cache, "a", 1) == data
     assert read(cache, "a", 2) is None  # keyed by checkpoint, not by run
     fd = cache.open("a", 1)  # a reader keeps its file even when replaced
-    cache.install("a", 2, filled(cache, 1000))
+    install(cache, "a", 2, 1000)
     assert fd is not None and os.pread(fd, 2000, 0) == data
     os.close(fd)
     assert read(cache, "a", 1) is None and read(cache, "a", 2) is not None
-    cache.install("b", 7, filled(cache, 1000))
+    install(cache, "b", 7, 1000)
     read(cache, "a", 2)  # a is now the most recently used
-    cache.install("c", 9, filled(cache, 1000))  # over budget: b goes
+    install(cache, "c", 9, 1000)  # over budget: b goes
     assert read(cache, "b", 7) is None
     assert read(cache, "a", 2) is not None and read(cache, "c", 9) is not None
-    cache.install("d", 3, filled(cache, 3000))  # larger than the whole budget: not kept
+    install(cache, "d", 3, 3000)  # larger than the whole budget: not kept
     assert read(cache, "d", 3) is None
     assert list((tmp_path / "cache" / "tmp").iterdir()) == []
 
@@ -53,9 +59,40 @@ def test_a_reader_does_not_replace_a_newer_base(tmp_path: Path) -> None:
     cache = BaseCache(tmp_path, max_bytes=10_000)
     seen = cache.current("r")
     assert seen is None
-    cache.install("r", 5, filled(cache, 100))  # a save lands while the reader decodes
-    cache.install("r", 4, filled(cache, 100), if_current=seen)
+    install(cache, "r", 5, 100)  # a save lands while the reader decodes
+    install(cache, "r", 4, 100, if_current=seen)
     assert cache.current("r") == 5
-    cache.install("r", 6, filled(cache, 100), if_current=5)
+    install(cache, "r", 6, 100, if_current=5)
     assert cache.current("r") == 6
+    assert len(list((tmp_path / "tmp").iterdir())) == 1  # 5's file, kept as r's spare
+
+
+def test_replaced_files_are_recycled_unless_a_reader_holds_them(tmp_path: Path) -> None:
+    cache = BaseCache(tmp_path, max_bytes=10_000)
+    install(cache, "r", 1, 3000)
+    first = os.stat(tmp_path / "1.bin").st_ino
+    install(cache, "r", 2, 3000)
+    spare = cache.new_file("r")  # 1's file, its pages still cached: overwritten in place
+    assert os.stat(spare).st_ino == first
+    fd = os.open(spare, os.O_WRONLY)
+    os.write(fd, b"x" * 1000)  # shorter than before: install cuts the stale tail
+    os.close(fd)
+    cache.install("r", 3, spare, 1000)
+    assert read(cache, "r", 3) == b"x" * 1000
+
+    reader = cache.open("r", 3)  # a load streaming checkpoint 3 ...
+    assert reader is not None
+    install(cache, "r", 4, 500)  # ... while 4 and 5 are saved
+    fresh = cache.new_file("r")
+    assert not fresh.exists()  # 3's file is still being read: not reused
+    assert os.pread(reader, 2000, 0) == b"x" * 1000
+    os.close(reader)
+
+
+def test_spares_count_against_the_budget(tmp_path: Path) -> None:
+    cache = BaseCache(tmp_path, max_bytes=2500)
+    install(cache, "a", 1, 1000)
+    install(cache, "a", 2, 1000)  # 1 becomes a's spare: 2000 bytes on disk
+    install(cache, "b", 3, 1000)  # over budget: the spare goes before any run's base
+    assert read(cache, "a", 2) is not None and read(cache, "b", 3) is not None
     assert list((tmp_path / "tmp").iterdir()) == []

@@ -4,12 +4,22 @@ Layout: ``<root>/<key>`` for committed blobs, ``<root>/.tmp/`` for writes in pro
 goes to a fresh temp file, is fsynced, renamed into place and the directory fsynced, so a blob
 is visible whole or not at all, and survives a power cut once ``put_stream`` returns. Temp
 files left by a crashed process are removed by ``collect_temp``.
+
+Writes bypass the page cache (``O_DIRECT``) where the filesystem allows it: the data goes from
+one page-aligned buffer straight to the disk. Buffered writes cost the kernel a page allocation,
+a copy and a writeback per 4 KiB, measured here at 0.7-3 GB/s of *system CPU* against 17 GB/s
+with O_DIRECT, on a machine whose two cores are also encoding. A blob is rarely read soon after
+it is written (the newest checkpoint is served from the base cache). Filesystems without
+O_DIRECT (tmpfs, some network mounts) get ordinary buffered writes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
+import mmap
 import os
 import stat
 import tempfile
@@ -24,13 +34,78 @@ from .base import BlobNotFound, BlobStore, Buffer, check_key
 __all__ = ["LocalBlobStore"]
 
 TMP_DIR = ".tmp"
-_SYNC_EVERY = 32 << 20
+_SYNC_EVERY = 32 << 20  # buffered writes: fdatasync as we go
 _TMP_SUFFIX = ".part"
+_DIRECT_BUFFER = 4 << 20
+_DIRECT_ALIGN = 4096  # of offsets and lengths: the largest logical block size in common use
 
 
 def _tmp_prefix(key: str) -> str:
     """Temp files start with a hash of their key, so a dead writer's file can be found."""
     return hashlib.blake2b(key.encode(), digest_size=8).hexdigest() + "-"
+
+
+def _write_file(fd: int, chunks: Iterable[Buffer]) -> int:
+    """Write ``chunks`` to the empty file ``fd``, with O_DIRECT where the filesystem has it;
+    returns the size. The caller fsyncs."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    except OSError:
+        return _write_buffered(fd, chunks)
+    buf = mmap.mmap(-1, _DIRECT_BUFFER)  # page-aligned, as O_DIRECT wants
+    view = memoryview(buf)
+    size = fill = 0
+    try:
+        for piece in chunks:
+            data = memoryview(piece).cast("B")
+            size += len(data)
+            while len(data):
+                n = min(len(data), _DIRECT_BUFFER - fill)
+                view[fill : fill + n] = data[:n]
+                fill += n
+                data = data[n:]
+                if fill == _DIRECT_BUFFER:
+                    _write_direct(fd, view)
+                    fill = 0
+        if fill:
+            padded = -(-fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
+            view[fill:padded] = bytes(padded - fill)
+            _write_direct(fd, view[:padded])
+            os.ftruncate(fd, size)  # drop the padding
+    finally:
+        view.release()
+        buf.close()
+    return size
+
+
+def _write_direct(fd: int, data: memoryview) -> None:
+    """Write all of ``data`` at the file position; should the device refuse the alignment,
+    the file goes back to buffered writes."""
+    while len(data):
+        try:
+            n = os.write(fd, data)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            continue
+        data = data[n:]
+
+
+def _write_buffered(fd: int, chunks: Iterable[Buffer]) -> int:
+    size = synced = 0
+    for piece in chunks:
+        data = memoryview(piece).cast("B")
+        while len(data):
+            n = os.write(fd, data)
+            data = data[n:]
+            size += n
+        if size - synced >= _SYNC_EVERY:
+            # Flush as we go: the disk works while the producer computes, and the final
+            # fsync (the commit's wait) stays short.
+            os.fdatasync(fd)
+            synced = size
+    return size
 
 
 # os.pread reads at most 0x7ffff000 bytes per call on Linux.
@@ -79,26 +154,15 @@ class LocalBlobStore(BlobStore):
             )
         except OSError as exc:
             raise self._unavailable("create a temp file for", key, exc) from exc
-        size = synced = 0
         try:
-            with open(fd, "wb") as f:
-                for piece in chunks:
-                    # Exceptions of the iterable itself pass through untranslated.
-                    try:
-                        size += f.write(piece)
-                        if size - synced >= _SYNC_EVERY:
-                            # Flush as we go: the disk works while the producer computes,
-                            # and the final fsync (the commit's wait) stays short.
-                            f.flush()
-                            os.fdatasync(f.fileno())
-                            synced = size
-                    except OSError as exc:
-                        raise self._unavailable("write", key, exc) from exc
-                try:
-                    f.flush()
-                    os.fsync(f.fileno())
-                except OSError as exc:
-                    raise self._unavailable("write", key, exc) from exc
+            try:
+                # Exceptions of the iterable itself pass through untranslated.
+                size = _write_file(fd, chunks)
+                os.fsync(fd)
+            except OSError as exc:
+                raise self._unavailable("write", key, exc) from exc
+            finally:
+                os.close(fd)
             try:
                 self._makedirs(dest.parent)
                 os.replace(tmp_name, dest)
