@@ -28,7 +28,7 @@ from ckptstore.errors import CorruptData
 from ckptstore.wire import encode_header
 from ckptstore_service.catalog import CheckpointInfo, ChunkInfo, TensorInfo
 from ckptstore_service.runtime import Runtime
-from ckptstore_service.storage import BlobStore
+from ckptstore_service.storage import BlobStore, Buffer
 
 __all__ = ["CHECKSUMS_KEY", "Restore", "materialize", "open_restore"]
 
@@ -249,7 +249,7 @@ class _Window:
     key: str
     start: int
     end: int
-    data: Future[bytes]
+    data: Future[Buffer]
 
 
 class _WindowReader:
@@ -276,11 +276,11 @@ class _WindowReader:
         if start == end:
             return b""
         if end - start >= self._size:
-            return self._store.get(key, (start, end))
+            return self._store.view(key, start, end)
         window, mine = self._window_for(key, start, end)
         if mine:
             try:
-                window.data.set_result(self._store.get(key, (window.start, window.end)))
+                window.data.set_result(self._store.view(key, window.start, window.end))
             except BaseException as exc:
                 window.data.set_exception(exc)
                 with self._lock:

@@ -105,6 +105,7 @@ class BlobStoreContract:
         store.put_stream("k", [data])
         for start, end in [(0, 10), (100, 357), (n - 7, n), (0, n), (5, 5), (0, 0), (n, n)]:
             assert store.get("k", (start, end)) == data[start:end], (start, end)
+            assert bytes(store.view("k", start, end)) == data[start:end], (start, end)
 
     def test_ranges_of_a_big_blob(self, store: BlobStore, big: bytes) -> None:
         store.put_stream("k", pieces(big, 3 * MiB))
@@ -112,12 +113,15 @@ class BlobStoreContract:
         spans = [(0, 1), (5 * MiB - 1, 5 * MiB + 1), (1, n - 1), (n - 10, n), (3, 11 * MiB)]
         for start, end in spans:
             assert store.get("k", (start, end)) == big[start:end], (start, end)
+            assert bytes(store.view("k", start, end)) == big[start:end], (start, end)
 
     def test_range_past_end(self, store: BlobStore) -> None:
         store.put_stream("k", [b"0123456789"])
         for bad in [(0, 11), (5, 11), (10, 11), (11, 11), (20, 30)]:
             with pytest.raises(ValueError):
                 store.get("k", bad)
+            with pytest.raises(ValueError):
+                store.view("k", *bad)
 
     def test_invalid_range(self, store: BlobStore) -> None:
         store.put_stream("k", [b"0123456789"])
@@ -138,6 +142,8 @@ class BlobStoreContract:
         for byte_range in [None, (0, 1), (0, 0), (5, 10)]:
             with pytest.raises(BlobNotFound):
                 store.get("runs/r/missing", byte_range)
+        with pytest.raises(BlobNotFound):
+            store.view("runs/r/missing", 0, 1)
 
     def test_overwrite(self, store: BlobStore, big: bytes) -> None:
         store.put_stream("k", pieces(big, MiB))

@@ -12,10 +12,17 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from .base import BlobNotFound, BlobStore, check_key
+from .base import BlobNotFound, BlobStore, Buffer, check_key
 from .local import LocalBlobStore
 
-__all__ = ["BlobNotFound", "BlobStore", "LocalBlobStore", "check_key", "open_blob_store"]
+__all__ = [
+    "BlobNotFound",
+    "BlobStore",
+    "Buffer",
+    "LocalBlobStore",
+    "check_key",
+    "open_blob_store",
+]
 
 
 def open_blob_store(

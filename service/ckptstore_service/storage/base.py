@@ -16,6 +16,8 @@ Contract (every backend, checked by tests/storage/contract.py):
 * ``get(key, byte_range=None)`` returns the whole blob or ``[start, end)`` of it. A missing key
   raises ``BlobNotFound`` whatever the range. ``start < 0`` or ``end < start``, or a range that
   ends past the blob, raises ``ValueError``; an empty range inside the blob is ``b""``.
+* ``view(key, start, end)`` is ``get(key, (start, end))`` as any bytes-like object, possibly
+  without a copy (the local store maps the file); same errors.
 * ``exists(key)``; ``delete(key)`` is idempotent (deleting a missing key is not an error).
 * ``iter_keys(prefix)`` yields the keys of committed blobs that start with ``prefix`` (a plain
   string prefix, not a folder), sorted by code point (S3's listing order).
@@ -61,6 +63,10 @@ class BlobStore(abc.ABC):
 
     @abc.abstractmethod
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes: ...
+
+    def view(self, key: str, start: int, end: int) -> Buffer:
+        """``get(key, (start, end))``; backends that can avoid the copy override this."""
+        return self.get(key, (start, end))
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool: ...
