@@ -198,7 +198,7 @@ def _from_storage(
             c = closure[c.base_id]
         return c
 
-    def fetch(c: ChunkInfo) -> bytes | memoryview:
+    def fetch(c: ChunkInfo) -> Buffer:
         t0 = time.perf_counter()
         data = reader.get(c.blob_key, c.blob_offset, c.blob_offset + c.stored_len)
         stats.fetch_s += time.perf_counter() - t0
@@ -272,7 +272,7 @@ class _WindowReader:
         self._windows: deque[_Window] = deque()
         self._lock = threading.Lock()
 
-    def get(self, key: str, start: int, end: int) -> bytes | memoryview:
+    def get(self, key: str, start: int, end: int) -> Buffer:
         if start == end:
             return b""
         if end - start >= self._size:
