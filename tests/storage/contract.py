@@ -225,7 +225,7 @@ class BlobStoreContract:
         assert store.get("k") == big
 
     @pytest.mark.parametrize("fail_after", [0, 1, 5], ids=["at-once", "first-part", "late"])
-    @pytest.mark.parametrize("exc_type", [Boom, Interrupted, GeneratorExit])
+    @pytest.mark.parametrize("exc_type", [Boom, OSError, Interrupted, GeneratorExit])
     def test_failed_put_leaves_nothing(
         self, store: BlobStore, big: bytes, fail_after: int, exc_type: type[BaseException]
     ) -> None:

@@ -46,67 +46,83 @@ def _tmp_prefix(key: str) -> str:
     return hashlib.blake2b(key.encode(), digest_size=8).hexdigest() + "-"
 
 
-def _write_file(fd: int, chunks: Iterable[Buffer]) -> int:
-    """Write ``chunks`` to the empty file ``fd``, with O_DIRECT where the filesystem has it;
-    returns the size. The caller fsyncs."""
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-    except OSError:
-        return _write_buffered(fd, chunks)
-    buf = mmap.mmap(-1, _DIRECT_BUFFER)  # page-aligned, as O_DIRECT wants
-    view = memoryview(buf)
-    size = fill = 0
-    try:
-        for piece in chunks:
-            data = memoryview(piece).cast("B")
-            size += len(data)
-            while len(data):
-                n = min(len(data), _DIRECT_BUFFER - fill)
-                view[fill : fill + n] = data[:n]
-                fill += n
-                data = data[n:]
-                if fill == _DIRECT_BUFFER:
-                    _write_direct(fd, view)
-                    fill = 0
-        if fill:
-            padded = -(-fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
-            view[fill:padded] = bytes(padded - fill)
-            _write_direct(fd, view[:padded])
-            os.ftruncate(fd, size)  # drop the padding
-    finally:
-        view.release()
-        buf.close()
-    return size
+class _BlobFile:
+    """Writes a new blob to ``fd`` (which it closes), with O_DIRECT where the filesystem has
+    it: pieces are gathered in one page-aligned buffer and written a buffer at a time, the
+    tail padded to the alignment and the padding cut off by ``finish``. Without O_DIRECT the
+    pieces are written as they come and fdatasynced as we go."""
 
-
-def _write_direct(fd: int, data: memoryview) -> None:
-    """Write all of ``data`` at the file position; should the device refuse the alignment,
-    the file goes back to buffered writes."""
-    while len(data):
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.size = self._fill = self._synced = 0
+        self._buf: mmap.mmap | None = None
         try:
-            n = os.write(fd, data)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            continue
-        data = data[n:]
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        except OSError:
+            return
+        try:
+            self._buf = mmap.mmap(-1, _DIRECT_BUFFER)  # page-aligned, as O_DIRECT wants
+        except BaseException:
+            os.close(fd)
+            raise
+        self._view = memoryview(self._buf)
 
-
-def _write_buffered(fd: int, chunks: Iterable[Buffer]) -> int:
-    size = synced = 0
-    for piece in chunks:
+    def write(self, piece: Buffer) -> None:
         data = memoryview(piece).cast("B")
+        self.size += len(data)
+        if self._buf is None:
+            _write_all(self.fd, data)
+            if self.size - self._synced >= _SYNC_EVERY:
+                # Flush as we go: the disk works while the producer computes, and the final
+                # fsync (the commit's wait) stays short.
+                os.fdatasync(self.fd)
+                self._synced = self.size
+            return
         while len(data):
-            n = os.write(fd, data)
+            n = min(len(data), _DIRECT_BUFFER - self._fill)
+            self._view[self._fill : self._fill + n] = data[:n]
+            self._fill += n
             data = data[n:]
-            size += n
-        if size - synced >= _SYNC_EVERY:
-            # Flush as we go: the disk works while the producer computes, and the final
-            # fsync (the commit's wait) stays short.
-            os.fdatasync(fd)
-            synced = size
-    return size
+            if self._fill == _DIRECT_BUFFER:
+                self._write_direct(self._view)
+                self._fill = 0
+
+    def finish(self) -> int:
+        """Write what is buffered and fsync; returns the blob's size."""
+        if self._fill:
+            padded = -(-self._fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
+            self._view[self._fill : padded] = bytes(padded - self._fill)
+            self._write_direct(self._view[:padded])
+            os.ftruncate(self.fd, self.size)  # drop the padding
+            self._fill = 0
+        os.fsync(self.fd)
+        return self.size
+
+    def close(self) -> None:
+        if self._buf is not None:
+            self._view.release()
+            self._buf.close()
+            self._buf = None
+        os.close(self.fd)
+
+    def _write_direct(self, data: memoryview) -> None:
+        """Write all of ``data``; should the device refuse the alignment, the file goes back
+        to buffered writes."""
+        while len(data):
+            try:
+                n = os.write(self.fd, data)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+                continue
+            data = data[n:]
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        data = data[os.write(fd, data) :]
 
 
 # os.pread reads at most 0x7ffff000 bytes per call on Linux.
@@ -156,14 +172,20 @@ class LocalBlobStore(BlobStore):
         except OSError as exc:
             raise self._unavailable("create a temp file for", key, exc) from exc
         try:
+            out = _BlobFile(fd)
             try:
-                # Exceptions of the iterable itself pass through untranslated.
-                size = _write_file(fd, chunks)
-                os.fsync(fd)
-            except OSError as exc:
-                raise self._unavailable("write", key, exc) from exc
+                for piece in chunks:
+                    # Exceptions of the iterable itself pass through untranslated.
+                    try:
+                        out.write(piece)
+                    except OSError as exc:
+                        raise self._unavailable("write", key, exc) from exc
+                try:
+                    size = out.finish()
+                except OSError as exc:
+                    raise self._unavailable("write", key, exc) from exc
             finally:
-                os.close(fd)
+                out.close()
             try:
                 self._makedirs(dest.parent)
                 os.replace(tmp_name, dest)
