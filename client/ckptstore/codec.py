@@ -25,8 +25,9 @@ Payload of a planes codec: ``u8 count`` then per plane ``u8 kind (0 raw, 1 zstd)
 (little-endian), then the plane payloads back to back.
 
 Every chunk carries the xxh3-128 of its raw bytes; :func:`decode_chunk` verifies it and raises
-:class:`~ckptstore.errors.CorruptData` on a mismatch. Pure numpy + zstandard: no torch.
-zstandard contexts are not thread-safe, so each thread gets its own.
+:class:`~ckptstore.errors.CorruptData` on a mismatch. numpy + zstandard, no torch.
+zstandard contexts are not thread-safe, so each thread gets its own. The residual and plane
+transposition run in :mod:`ckptstore.planes` (fused numba kernels when installed).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from ckptstore import planes
 from ckptstore.errors import CorruptData
 
 __all__ = [
@@ -156,40 +158,6 @@ def _dctx() -> zstandard.ZstdDecompressor:
     return ctx
 
 
-def _residual(mode: str, raw: np.ndarray, base: np.ndarray | None) -> np.ndarray:
-    """``raw`` and ``base`` are unsigned-int views of the same length."""
-    if mode == "none" or base is None:
-        return raw
-    if mode == "xor":
-        flipped: np.ndarray = np.bitwise_xor(raw, base)
-        return flipped
-    diff: np.ndarray = np.subtract(raw, base)  # unsigned: wraps modulo 2**bits
-    if mode == "zsub":
-        # zigzag: small negative differences become small positive ones, so the high byte
-        # planes hold zeros instead of a mix of 0x00 and 0xFF
-        signed = diff.view(diff.dtype.str.replace("u", "i"))
-        diff = ((signed << 1) ^ (signed >> (8 * diff.itemsize - 1))).view(diff.dtype)
-    return diff
-
-
-def _unzigzag(z: np.ndarray) -> np.ndarray:
-    """Inverse of the zigzag in :func:`_residual`: ``(z >> 1) ^ -(z & 1)``, in place on ``z``."""
-    signs = np.bitwise_and(z, 1)
-    signed = signs.view(z.dtype.str.replace("u", "i"))
-    np.negative(signed, out=signed)
-    np.right_shift(z, 1, out=z)
-    np.bitwise_xor(z, signs, out=z)
-    return z
-
-
-def _planes(values: np.ndarray, itemsize: int) -> list[np.ndarray]:
-    if itemsize == 1:
-        return [values.view(np.uint8)]
-    # one strided copy per plane: ~1.5x faster than a transposed copy of the whole chunk
-    as_bytes = values.view(np.uint8)
-    return [as_bytes[i::itemsize].copy() for i in range(itemsize)]
-
-
 def _sample(arr: np.ndarray, count: int) -> np.ndarray:
     """``count`` elements taken from a few windows spread over ``arr``."""
     if len(arr) <= 2 * count:
@@ -200,18 +168,23 @@ def _sample(arr: np.ndarray, count: int) -> np.ndarray:
 
 
 def _pack_planes(
-    values: np.ndarray, itemsize: int, level: int, want: Sequence[bool] | None, gain: float
+    raw: np.ndarray,
+    base: np.ndarray | None,
+    mode: str,
+    level: int,
+    want: Sequence[bool] | None,
+    gain: float,
 ) -> tuple[int, list[Buffer], list[int]]:
-    """Split into byte planes and zstd those in ``want`` (all if None) that shrink below
-    ``gain`` x their size; returns (total size, plane bodies, plane kinds)."""
+    """The residual of ``raw`` against ``base`` in ``mode``, split into byte planes; zstd those
+    in ``want`` (all if None) that shrink below ``gain`` x their size; returns (total size,
+    plane bodies, plane kinds)."""
     cctx = _cctx(level)
     bodies: list[Buffer] = []
     kinds: list[int] = []
-    planes = _planes(values, itemsize)
-    for i, plane in enumerate(planes):
+    for plane in planes.split(raw, base, planes.MODES[mode if base is not None else "none"]):
         body: Buffer = plane.data
         kind = _PLANE_RAW
-        if want is None or want[i]:
+        if want is None or want[len(bodies)]:
             packed = cctx.compress(plane.data)
             if len(packed) < gain * len(plane):
                 body, kind = packed, _PLANE_ZSTD
@@ -249,22 +222,16 @@ def encode_chunk(
     count = max(1, _SAMPLE_BYTES // itemsize)
     if len(raw_v) <= 2 * count:
         # small chunk: encode it every way and keep the smallest
-        tries = [
-            (m, *_pack_planes(_residual(m, raw_v, base_v), itemsize, level, None, 1.0))
-            for m in modes
-        ]
+        tries = [(m, *_pack_planes(raw_v, base_v, m, level, None, 1.0)) for m in modes]
         mode, _, bodies, kinds = min(tries, key=lambda t: t[1])
     else:
         # large chunk: choose the mode and the planes worth compressing on a sample
         raw_s = _sample(raw_v, count)
         base_s = None if base_v is None else _sample(base_v, count)
-        trials = [
-            (m, *_pack_planes(_residual(m, raw_s, base_s), itemsize, level, None, _PLANE_GAIN))
-            for m in modes
-        ]
+        trials = [(m, *_pack_planes(raw_s, base_s, m, level, None, _PLANE_GAIN)) for m in modes]
         mode, _, _, sample_kinds = min(trials, key=lambda t: t[1])
         want = [k == _PLANE_ZSTD for k in sample_kinds]
-        _, bodies, kinds = _pack_planes(_residual(mode, raw_v, base_v), itemsize, level, want, 1.0)
+        _, bodies, kinds = _pack_planes(raw_v, base_v, mode, level, want, 1.0)
     table = [struct.pack("<B", len(bodies))] + [
         struct.pack("<BI", k, len(b)) for k, b in zip(kinds, bodies, strict=True)
     ]
@@ -326,16 +293,14 @@ def decode_chain(
         values = np.frombuffer(bytearray(payload), dtype=uint)
     else:
         _parse_codec(codec, itemsize)
-        values = _decode_planes(memoryview(payload), itemsize, raw_len).view(uint)
+        values = np.empty(raw_len // itemsize, dtype=uint)
+        planes.join(_decode_planes(memoryview(payload), itemsize, raw_len), values, 0)
     for codec, payload in links[1:]:
         mode = _parse_codec(codec, itemsize)
         if mode == "none" or not is_delta(codec):
             raise CorruptData(f"{codec} chunk in the middle of a chain")
-        residual = _decode_planes(memoryview(payload), itemsize, raw_len).view(uint)
-        if mode == "xor":
-            np.bitwise_xor(values, residual, out=values)
-        else:
-            np.add(values, _unzigzag(residual) if mode == "zsub" else residual, out=values)
+        residual = _decode_planes(memoryview(payload), itemsize, raw_len)
+        planes.join(residual, values, planes.MODES[mode])
     out = values.tobytes()
     if len(out) != raw_len:
         raise CorruptData(f"chunk decoded to {len(out)} bytes, expected {raw_len}")
@@ -344,8 +309,8 @@ def decode_chain(
     return out
 
 
-def _decode_planes(payload: memoryview, itemsize: int, raw_len: int) -> np.ndarray:
-    """The values a planes payload holds, as a flat writable uint8 array."""
+def _decode_planes(payload: memoryview, itemsize: int, raw_len: int) -> list[np.ndarray]:
+    """The ``itemsize`` byte planes a planes payload holds, as uint8 arrays."""
     try:
         (count,) = struct.unpack_from("<B", payload, 0)
         entries = [struct.unpack_from("<BI", payload, 1 + 5 * i) for i in range(count)]
@@ -356,8 +321,7 @@ def _decode_planes(payload: memoryview, itemsize: int, raw_len: int) -> np.ndarr
     n = raw_len // count
     pos = 1 + 5 * count
     dctx = _dctx()
-    # planes are written into strided columns: ~6x faster than transposing a (planes, n) array
-    values = np.empty((n, count), dtype=np.uint8)
+    out = []
     for i, (kind, length) in enumerate(entries):
         body = payload[pos : pos + length]
         pos += length
@@ -369,5 +333,7 @@ def _decode_planes(payload: memoryview, itemsize: int, raw_len: int) -> np.ndarr
             raise CorruptData(f"zstd plane does not decode: {exc}") from exc
         if len(data) != n:
             raise CorruptData(f"plane {i} holds {len(data)} bytes, expected {n}")
-        values[:, i] = np.frombuffer(data, dtype=np.uint8)
-    return values.reshape(-1)
+        out.append(np.frombuffer(data, dtype=np.uint8))
+    if count < itemsize:  # one plane holding the elements' bytes in order
+        out = [np.ascontiguousarray(out[0][i::itemsize]) for i in range(itemsize)]
+    return out

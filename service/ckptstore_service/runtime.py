@@ -9,6 +9,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ckptstore import planes
 from ckptstore.errors import InvalidRequest
 from ckptstore_service.cache import BaseCache
 from ckptstore_service.catalog import Catalog
@@ -71,6 +72,7 @@ class Runtime:
         pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptstore-codec")
         runtime = cls(settings, catalog, store, cache, pool, workers)
         runtime.collect_crashed_uploads()
+        planes.warm_up()  # compile the codec kernels (or load them) before the first request
         return runtime
 
     @property

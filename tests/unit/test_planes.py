@@ -1,0 +1,97 @@
+"""Byte-plane kernels: the fused (numba) and numpy implementations agree byte for byte."""
+
+from __future__ import annotations
+
+import importlib.util
+import mmap
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptstore import codec, planes
+
+UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def test_fused_kernels_are_used_when_numba_is_installed() -> None:
+    # the server extra installs numba; a broken kernel import must not fall back silently
+    numba_installed = importlib.util.find_spec("numba") is not None
+    assert planes.FUSED is numba_installed
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    itemsize=st.sampled_from([1, 2, 4, 8]),
+    mode=st.sampled_from(sorted(planes.MODES.values())),
+    data=st.data(),
+)
+def test_split_and_join_match_the_numpy_reference(
+    itemsize: int, mode: int, data: st.DataObject
+) -> None:
+    n = data.draw(st.integers(0, 300))
+    raw_bytes = data.draw(st.binary(min_size=n * itemsize, max_size=n * itemsize))
+    # bases near the values (small signed steps) and far from them (random bits)
+    near = data.draw(st.booleans())
+    raw = np.frombuffer(raw_bytes, UINT[itemsize])
+    if near:
+        steps = np.frombuffer(data.draw(st.binary(min_size=n, max_size=n)), np.int8)
+        base = (raw.astype(np.int64) - steps).astype(raw.dtype)
+    else:
+        base = np.frombuffer(
+            data.draw(st.binary(min_size=len(raw_bytes), max_size=len(raw_bytes))), raw.dtype
+        )
+
+    fused = planes.split(raw, base, mode)
+    reference = planes.split_numpy(raw, base, mode)
+    assert fused.shape == (itemsize, n)
+    assert np.array_equal(fused, reference)
+
+    start = np.zeros(n, raw.dtype) if mode == planes.MODES["none"] else base.copy()
+    for join in (planes.join, planes.join_numpy):
+        out = start.copy()
+        join(list(fused), out, mode)
+        assert np.array_equal(out, raw), join.__name__
+
+
+@pytest.mark.parametrize("itemsize", [2, 4, 8])
+def test_planes_hold_the_bytes_of_each_element(itemsize: int) -> None:
+    raw = np.arange(1, 6, dtype=UINT[itemsize]) * 0x0101 + 0x7F00
+    split = planes.split(raw, None, planes.MODES["none"])
+    as_bytes = raw.view(np.uint8).reshape(-1, itemsize)
+    for i in range(itemsize):
+        assert split[i].tobytes() == as_bytes[:, i].tobytes()
+
+
+def test_zigzag_keeps_small_negative_steps_in_the_low_plane() -> None:
+    base = np.array([1000, 1000, 1000, 1000], np.uint32)
+    raw = base + np.array([1, -1, 2, -2], np.int64).astype(np.uint32)
+    split = planes.split(raw, base, planes.MODES["zsub"])
+    assert split[0].tolist() == [2, 1, 4, 3]
+    assert not split[1:].any()
+
+
+def test_kernels_accept_bytes_bytearray_and_mmap_views() -> None:
+    raw = np.random.default_rng(3).integers(0, 2**32, 1000, dtype=np.uint32)
+    base = raw ^ 5
+    expected = planes.split_numpy(raw, base, planes.MODES["xor"])
+    m = mmap.mmap(-1, raw.nbytes)
+    m[:] = raw.tobytes()
+    for source in (raw.tobytes(), bytearray(raw.tobytes()), m):
+        view = np.frombuffer(source, np.uint32)
+        assert np.array_equal(planes.split(view, base, planes.MODES["xor"]), expected)
+        out = base.copy()
+        planes.join([np.frombuffer(bytes(p), np.uint8) for p in expected], out, 3)
+        assert np.array_equal(out, raw)
+
+
+def test_a_single_plane_payload_decodes_for_wide_items() -> None:
+    # a payload may hold one plane with the elements' bytes in order (planes1)
+    raw = np.arange(1000, dtype=np.uint32).tobytes()
+    payload = struct.pack("<B", 1) + struct.pack("<BI", 0, len(raw)) + raw
+    out = codec.decode_chunk(
+        "none/1|planes1/1|zstd/1", payload, None, 4, len(raw), codec.checksum(raw)
+    )
+    assert out == raw
