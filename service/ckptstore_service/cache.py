@@ -7,7 +7,12 @@ replica whose cache is behind the database simply misses and rebuilds from stora
 
 Bounded by ``max_bytes``, least recently used run evicted first. A file that is replaced or
 evicted while a reader has it open stays readable to that reader (POSIX unlink semantics).
-The folder is wiped at start-up: nothing in it is trusted across restarts.
+Nothing in the folder is trusted across restarts: at start-up the files an earlier process
+left become *orphans*, spare files that any run may overwrite (their pages are likely still in
+the page cache: after a restart, the first load of a run's latest fills its cache file by a
+memcpy instead of a fresh allocation). One process owns the folder: it holds an exclusive
+``flock`` on ``.lock``, and a second service pointed at the same folder fails at start-up
+instead of overwriting the first one's files.
 
 Files are recycled: when a run's base is replaced, the old file becomes the run's *spare* and
 the next save overwrites it in place. Its pages are still in the page cache, so rewriting them
@@ -27,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BaseCache", "CachedBase", "open_reader"]
+__all__ = ["BaseCache", "CacheInUse", "CachedBase", "open_reader"]
 
 _ANY = object()
 
@@ -46,15 +51,53 @@ def open_reader(path: Path) -> int:
     return fd
 
 
+class CacheInUse(RuntimeError):
+    """Another live process owns the cache folder."""
+
+
 class BaseCache:
     def __init__(self, root: Path, max_bytes: int) -> None:
         self.root = root
         self.max_bytes = max_bytes
-        shutil.rmtree(root, ignore_errors=True)
-        (root / "tmp").mkdir(parents=True, exist_ok=True)
+        root.mkdir(parents=True, exist_ok=True)
+        self._owner = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._owner)
+            raise CacheInUse(
+                f"the base cache folder {root} is in use by another ckptstore process: give "
+                "each service its own CKPTSTORE_CACHE_DIR (or CKPTSTORE_DATA_DIR)"
+            ) from None
         self._entries: OrderedDict[str, CachedBase] = OrderedDict()
         self._spares: OrderedDict[str, CachedBase] = OrderedDict()
+        self._orphans: list[CachedBase] = self._adopt_leftovers()
         self._lock = threading.Lock()
+        with self._lock:
+            self._evict()
+
+    def _adopt_leftovers(self) -> list[CachedBase]:
+        """Turn the files an earlier process left into orphan spares; delete anything else."""
+        tmp = self.root / "tmp"
+        tmp.mkdir(exist_ok=True)
+        orphans = []
+        for folder in (self.root, tmp):
+            for path in folder.iterdir():
+                if path.name == ".lock" or path == tmp:
+                    continue
+                if path.is_file() and not path.is_symlink():
+                    spare = tmp / uuid.uuid4().hex
+                    os.replace(path, spare)
+                    orphans.append(CachedBase(-1, spare, spare.stat().st_size))
+                elif path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+        return orphans
+
+    def close(self) -> None:
+        """Release the folder (the files stay, for the next process to recycle)."""
+        os.close(self._owner)
 
     def open(self, run: str, checkpoint_id: int) -> int | None:
         """A read-only fd of the cached checkpoint, or None on a miss. Caller closes it."""
@@ -75,6 +118,8 @@ class BaseCache:
         :meth:`install` (which cuts it to size) or :meth:`discard`."""
         with self._lock:
             spare = self._spares.pop(run, None)
+            if spare is None and self._orphans:
+                spare = self._orphans.pop()
         if spare is not None:
             try:
                 fd = os.open(spare.path, os.O_RDONLY)
@@ -139,9 +184,15 @@ class BaseCache:
         self._spares[run] = CachedBase(old.checkpoint_id, spare, old.size)
 
     def _evict(self) -> None:
-        """Spares first, then least recently used runs, until within ``max_bytes``."""
+        """Orphans and spares first, then least recently used runs, until within
+        ``max_bytes``."""
         total = sum(e.size for e in self._entries.values())
         total += sum(e.size for e in self._spares.values())
+        total += sum(e.size for e in self._orphans)
+        while total > self.max_bytes and self._orphans:
+            orphan = self._orphans.pop(0)
+            orphan.path.unlink(missing_ok=True)
+            total -= orphan.size
         while total > self.max_bytes and self._spares:
             _, spare = self._spares.popitem(last=False)
             spare.path.unlink(missing_ok=True)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
 from ckptstore import CheckpointClient
@@ -49,3 +50,17 @@ def test_sigkill_mid_upload_leaves_nothing_and_the_retry_works(
     blobs = sorted(p.name for p in (data / "blobs" / "runs" / "crash").iterdir())
     assert len(blobs) == 2  # the crashed upload's blob never appeared
     catalog.close()
+
+
+def test_a_second_service_on_the_same_data_dir_is_refused(
+    make_service: Callable[..., Service], tmp_path: Path
+) -> None:
+    data = tmp_path / "shared"
+    svc = make_service(None, data)
+    with CheckpointClient(svc.url) as client:
+        client.save("own", 1, {"w": torch.arange(1000.0)})
+        with pytest.raises(RuntimeError, match="in use by another ckptstore process"):
+            make_service(None, data)
+        # the first one's base cache is intact: its next save and its latest still work
+        client.save("own", 2, {"w": torch.arange(1000.0) + 1})
+        assert torch.equal(client.load("own")["w"], torch.arange(1000.0) + 1)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ckptstore_service.cache import BaseCache
+import pytest
+
+from ckptstore_service.cache import BaseCache, CacheInUse
 
 
 def filled(cache: BaseCache, size: int, run: str = "other") -> Path:
@@ -96,3 +98,32 @@ def test_spares_count_against_the_budget(tmp_path: Path) -> None:
     install(cache, "b", 3, 1000)  # over budget: the spare goes before any run's base
     assert read(cache, "a", 2) is not None and read(cache, "b", 3) is not None
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_one_process_owns_the_folder(tmp_path: Path) -> None:
+    cache = BaseCache(tmp_path, max_bytes=10_000)
+    with pytest.raises(CacheInUse, match="in use by another ckptstore process"):
+        BaseCache(tmp_path, max_bytes=10_000)
+    install(cache, "a", 1, 100)
+    assert read(cache, "a", 1) is not None  # the refused one did not touch the files
+    cache.close()
+    BaseCache(tmp_path, max_bytes=10_000).close()
+
+
+def test_files_left_by_an_earlier_process_are_recycled_not_trusted(tmp_path: Path) -> None:
+    first = BaseCache(tmp_path, max_bytes=10_000)
+    install(first, "a", 1, 1000)
+    install(first, "a", 2, 1000)  # checkpoint 1's file is now the run's spare
+    inodes = {p.stat().st_ino for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert len(inodes) == 2
+    first.close()
+
+    second = BaseCache(tmp_path, max_bytes=10_000)
+    assert read(second, "a", 2) is None  # contents are not trusted across processes
+    reused = {second.new_file(run).stat().st_ino for run in ("x", "y")}
+    assert reused == inodes  # both files are overwritten in place by the next fills
+    assert not second.new_file("z").exists()  # then fresh names
+    second.close()
+
+    BaseCache(tmp_path, max_bytes=1500).close()  # over the budget: orphans are deleted
+    assert sum(1 for p in (tmp_path / "tmp").iterdir()) <= 1
