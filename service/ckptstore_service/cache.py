@@ -10,9 +10,12 @@ evicted while a reader has it open stays readable to that reader (POSIX unlink s
 Nothing in the folder is trusted across restarts: at start-up the files an earlier process
 left become *orphans*, spare files that any run may overwrite (their pages are likely still in
 the page cache: after a restart, the first load of a run's latest fills its cache file by a
-memcpy instead of a fresh allocation). One process owns the folder: it holds an exclusive
-``flock`` on ``.lock``, and a second service pointed at the same folder fails at start-up
-instead of overwriting the first one's files.
+memcpy instead of a fresh allocation).
+
+Several processes may share the configured folder (replicas scaled out on one volume): each
+takes the first ``slot-<k>`` subfolder whose ``.lock`` it can ``flock`` exclusively and keeps
+the lock for its lifetime, so no process ever touches another live one's files, and a
+restarted process inherits a dead one's files to recycle.
 
 Files are recycled: when a run's base is replaced, the old file becomes the run's *spare* and
 the next save overwrites it in place. Its pages are still in the page cache, so rewriting them
@@ -24,6 +27,7 @@ shared ``flock`` on their descriptor; a spare that a reader still holds is not r
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 import shutil
 import threading
@@ -32,7 +36,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BaseCache", "CacheInUse", "CachedBase", "open_reader"]
+__all__ = ["BaseCache", "CachedBase", "open_reader"]
 
 _ANY = object()
 
@@ -51,24 +55,25 @@ def open_reader(path: Path) -> int:
     return fd
 
 
-class CacheInUse(RuntimeError):
-    """Another live process owns the cache folder."""
+def _claim_slot(root: Path) -> tuple[Path, int]:
+    """The first ``root/slot-<k>`` no live process holds, and the descriptor holding it."""
+    for k in itertools.count():
+        folder = root / f"slot-{k}"
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return folder, fd
+    raise AssertionError("unreachable")
 
 
 class BaseCache:
     def __init__(self, root: Path, max_bytes: int) -> None:
-        self.root = root
         self.max_bytes = max_bytes
-        root.mkdir(parents=True, exist_ok=True)
-        self._owner = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._owner)
-            raise CacheInUse(
-                f"the base cache folder {root} is in use by another ckptstore process: give "
-                "each service its own CKPTSTORE_CACHE_DIR (or CKPTSTORE_DATA_DIR)"
-            ) from None
+        self.folder, self._owner = _claim_slot(root)
         self._entries: OrderedDict[str, CachedBase] = OrderedDict()
         self._spares: OrderedDict[str, CachedBase] = OrderedDict()
         self._orphans: list[CachedBase] = self._adopt_leftovers()
@@ -78,10 +83,10 @@ class BaseCache:
 
     def _adopt_leftovers(self) -> list[CachedBase]:
         """Turn the files an earlier process left into orphan spares; delete anything else."""
-        tmp = self.root / "tmp"
+        tmp = self.folder / "tmp"
         tmp.mkdir(exist_ok=True)
         orphans = []
-        for folder in (self.root, tmp):
+        for folder in (self.folder, tmp):
             for path in folder.iterdir():
                 if path.name == ".lock" or path == tmp:
                     continue
@@ -96,7 +101,7 @@ class BaseCache:
         return orphans
 
     def close(self) -> None:
-        """Release the folder (the files stay, for the next process to recycle)."""
+        """Release the slot (the files stay, for the next process to recycle)."""
         os.close(self._owner)
 
     def open(self, run: str, checkpoint_id: int) -> int | None:
@@ -134,7 +139,7 @@ class BaseCache:
                     spare.path.unlink(missing_ok=True)  # a reader keeps its copy
                 finally:
                     os.close(fd)
-        return self.root / "tmp" / uuid.uuid4().hex
+        return self.folder / "tmp" / uuid.uuid4().hex
 
     def current(self, run: str) -> int | None:
         """The checkpoint id cached for ``run``, if any."""
@@ -155,7 +160,7 @@ class BaseCache:
             self.discard(tmp)
             return
         os.truncate(tmp, size)
-        final = self.root / f"{checkpoint_id}.bin"
+        final = self.folder / f"{checkpoint_id}.bin"
         with self._lock:
             old = self._entries.get(run)
             if (
@@ -173,7 +178,7 @@ class BaseCache:
         self.discard(tmp)
 
     def _keep_spare(self, run: str, old: CachedBase) -> None:
-        spare = self.root / "tmp" / uuid.uuid4().hex
+        spare = self.folder / "tmp" / uuid.uuid4().hex
         try:
             os.replace(old.path, spare)
         except FileNotFoundError:

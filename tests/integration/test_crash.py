@@ -8,7 +8,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import pytest
 import torch
 
 from ckptstore import CheckpointClient
@@ -52,15 +51,22 @@ def test_sigkill_mid_upload_leaves_nothing_and_the_retry_works(
     catalog.close()
 
 
-def test_a_second_service_on_the_same_data_dir_is_refused(
+def test_services_sharing_a_data_dir_keep_to_their_own_cache_files(
     make_service: Callable[..., Service], tmp_path: Path
 ) -> None:
-    data = tmp_path / "shared"
-    svc = make_service(None, data)
-    with CheckpointClient(svc.url) as client:
+    data = tmp_path / "shared"  # e.g. replicas scaled out on one volume
+    first = make_service(None, data)
+    with CheckpointClient(first.url) as client:
         client.save("own", 1, {"w": torch.arange(1000.0)})
-        with pytest.raises(RuntimeError, match="in use by another ckptstore process"):
-            make_service(None, data)
-        # the first one's base cache is intact: its next save and its latest still work
+    slot = data / "cache" / "slot-0"
+    before = {p: p.stat().st_ino for p in slot.rglob("*.bin")}
+    assert before  # the first service's base cache
+    second = make_service(None, data)
+    with CheckpointClient(second.url) as client:
+        client.save("theirs", 1, {"w": torch.zeros(1000)})
+        client.save("theirs", 2, {"w": torch.ones(1000)})
+    assert {p: p.stat().st_ino for p in slot.rglob("*.bin")} == before
+    assert list((data / "cache" / "slot-1").rglob("*.bin"))
+    with CheckpointClient(first.url) as client:
         client.save("own", 2, {"w": torch.arange(1000.0) + 1})
         assert torch.equal(client.load("own")["w"], torch.arange(1000.0) + 1)

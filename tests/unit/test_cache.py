@@ -5,9 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-
-from ckptstore_service.cache import BaseCache, CacheInUse
+from ckptstore_service.cache import BaseCache
 
 
 def filled(cache: BaseCache, size: int, run: str = "other") -> Path:
@@ -33,10 +31,10 @@ def read(cache: BaseCache, run: str, checkpoint_id: int) -> bytes | None:
 
 
 def test_newest_per_run_and_lru_eviction(tmp_path: Path) -> None:
-    (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / "stale.bin").write_bytes(b"from a previous process")
+    (tmp_path / "cache" / "slot-0").mkdir(parents=True)
+    (tmp_path / "cache" / "slot-0" / "5.bin").write_bytes(b"from a previous process")
     cache = BaseCache(tmp_path / "cache", max_bytes=2500)
-    assert not (tmp_path / "cache" / "stale.bin").exists()  # wiped at start-up
+    assert read(cache, "a", 5) is None  # not trusted: recycled as a spare file
     a1 = filled(cache, 1000)
     data = a1.read_bytes()
     cache.install("a", 1, a1, 1000)
@@ -54,7 +52,7 @@ def test_newest_per_run_and_lru_eviction(tmp_path: Path) -> None:
     assert read(cache, "a", 2) is not None and read(cache, "c", 9) is not None
     install(cache, "d", 3, 3000)  # larger than the whole budget: not kept
     assert read(cache, "d", 3) is None
-    assert list((tmp_path / "cache" / "tmp").iterdir()) == []
+    assert list((cache.folder / "tmp").iterdir()) == []
 
 
 def test_a_reader_does_not_replace_a_newer_base(tmp_path: Path) -> None:
@@ -66,13 +64,13 @@ def test_a_reader_does_not_replace_a_newer_base(tmp_path: Path) -> None:
     assert cache.current("r") == 5
     install(cache, "r", 6, 100, if_current=5)
     assert cache.current("r") == 6
-    assert len(list((tmp_path / "tmp").iterdir())) == 1  # 5's file, kept as r's spare
+    assert len(list((cache.folder / "tmp").iterdir())) == 1  # 5's file, kept as r's spare
 
 
 def test_replaced_files_are_recycled_unless_a_reader_holds_them(tmp_path: Path) -> None:
     cache = BaseCache(tmp_path, max_bytes=10_000)
     install(cache, "r", 1, 3000)
-    first = os.stat(tmp_path / "1.bin").st_ino
+    first = os.stat(cache.folder / "1.bin").st_ino
     install(cache, "r", 2, 3000)
     spare = cache.new_file("r")  # 1's file, its pages still cached: overwritten in place
     assert os.stat(spare).st_ino == first
@@ -97,24 +95,31 @@ def test_spares_count_against_the_budget(tmp_path: Path) -> None:
     install(cache, "a", 2, 1000)  # 1 becomes a's spare: 2000 bytes on disk
     install(cache, "b", 3, 1000)  # over budget: the spare goes before any run's base
     assert read(cache, "a", 2) is not None and read(cache, "b", 3) is not None
-    assert list((tmp_path / "tmp").iterdir()) == []
+    assert list((cache.folder / "tmp").iterdir()) == []
 
 
-def test_one_process_owns_the_folder(tmp_path: Path) -> None:
-    cache = BaseCache(tmp_path, max_bytes=10_000)
-    with pytest.raises(CacheInUse, match="in use by another ckptstore process"):
-        BaseCache(tmp_path, max_bytes=10_000)
-    install(cache, "a", 1, 100)
-    assert read(cache, "a", 1) is not None  # the refused one did not touch the files
-    cache.close()
-    BaseCache(tmp_path, max_bytes=10_000).close()
+def test_processes_sharing_the_folder_each_get_their_own_slot(tmp_path: Path) -> None:
+    first = BaseCache(tmp_path, max_bytes=10_000)
+    install(first, "a", 1, 100)
+    files = sorted(p.name for p in first.folder.rglob("*"))
+    second = BaseCache(tmp_path, max_bytes=10_000)  # e.g. a replica scaled out on one volume
+    assert second.folder != first.folder
+    install(second, "a", 1, 100)
+    assert sorted(p.name for p in first.folder.rglob("*")) == files  # untouched
+    assert read(first, "a", 1) is not None and read(second, "a", 1) is not None
+    first.close()
+    third = BaseCache(tmp_path, max_bytes=10_000)  # a restart takes the free slot
+    assert third.folder == first.folder
+    second.close()
+    third.close()
 
 
 def test_files_left_by_an_earlier_process_are_recycled_not_trusted(tmp_path: Path) -> None:
     first = BaseCache(tmp_path, max_bytes=10_000)
     install(first, "a", 1, 1000)
     install(first, "a", 2, 1000)  # checkpoint 1's file is now the run's spare
-    inodes = {p.stat().st_ino for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"}
+    files = [p for p in first.folder.rglob("*") if p.is_file() and p.name != ".lock"]
+    inodes = {p.stat().st_ino for p in files}
     assert len(inodes) == 2
     first.close()
 
@@ -125,5 +130,6 @@ def test_files_left_by_an_earlier_process_are_recycled_not_trusted(tmp_path: Pat
     assert not second.new_file("z").exists()  # then fresh names
     second.close()
 
-    BaseCache(tmp_path, max_bytes=1500).close()  # over the budget: orphans are deleted
-    assert sum(1 for p in (tmp_path / "tmp").iterdir()) <= 1
+    third = BaseCache(tmp_path, max_bytes=1500)  # over the budget: orphans are deleted
+    assert sum(1 for p in (third.folder / "tmp").iterdir()) <= 1
+    third.close()
