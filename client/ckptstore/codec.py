@@ -36,7 +36,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import xxhash
@@ -287,6 +287,8 @@ def decode_chain(
         raise CorruptData("a chunk's chain must start with a self-contained chunk")
     uint = _UINT[itemsize]
     codec, payload = links[0]
+    modes: list[int] = []
+    tables: list[list[tuple[int, memoryview]]] = []
     if codec == RAW:
         if len(payload) != raw_len:
             raise CorruptData(f"raw chunk of {len(payload)} bytes, expected {raw_len}")
@@ -294,13 +296,26 @@ def decode_chain(
     else:
         _parse_codec(codec, itemsize)
         values = np.empty(raw_len // itemsize, dtype=uint)
-        planes.join(_decode_planes(memoryview(payload), itemsize, raw_len), values, 0)
+        modes.append(planes.MODES["none"])
+        tables.append(_plane_table(memoryview(payload), itemsize, raw_len))
     for codec, payload in links[1:]:
         mode = _parse_codec(codec, itemsize)
         if mode == "none" or not is_delta(codec):
             raise CorruptData(f"{codec} chunk in the middle of a chain")
-        residual = _decode_planes(memoryview(payload), itemsize, raw_len)
-        planes.join(residual, values, planes.MODES[mode])
+        modes.append(planes.MODES[mode])
+        tables.append(_plane_table(memoryview(payload), itemsize, raw_len))
+    # every zstd plane of the chain in one call: one GIL release instead of one per plane
+    frames = [body for table in tables for kind, body in table if kind == _PLANE_ZSTD]
+    sizes = [raw_len // len(table) for table in tables for kind, _ in table if kind == _PLANE_ZSTD]
+    unpacked = iter(_decompress_all(frames, sizes))
+    for link_mode, table in zip(modes, tables, strict=True):
+        bodies = [
+            np.frombuffer(next(unpacked) if kind == _PLANE_ZSTD else body, dtype=np.uint8)
+            for kind, body in table
+        ]
+        if len(bodies) < itemsize:  # one plane holding the elements' bytes in order
+            bodies = [np.ascontiguousarray(bodies[0][i::itemsize]) for i in range(itemsize)]
+        planes.join(bodies, values, link_mode)
     out = values.tobytes()
     if len(out) != raw_len:
         raise CorruptData(f"chunk decoded to {len(out)} bytes, expected {raw_len}")
@@ -309,8 +324,8 @@ def decode_chain(
     return out
 
 
-def _decode_planes(payload: memoryview, itemsize: int, raw_len: int) -> list[np.ndarray]:
-    """The ``itemsize`` byte planes a planes payload holds, as uint8 arrays."""
+def _plane_table(payload: memoryview, itemsize: int, raw_len: int) -> list[tuple[int, memoryview]]:
+    """``(kind, body)`` of each plane in a planes payload, lengths checked."""
     try:
         (count,) = struct.unpack_from("<B", payload, 0)
         entries = [struct.unpack_from("<BI", payload, 1 + 5 * i) for i in range(count)]
@@ -320,20 +335,29 @@ def _decode_planes(payload: memoryview, itemsize: int, raw_len: int) -> list[np.
         raise CorruptData(f"{count} planes for {itemsize}-byte items")
     n = raw_len // count
     pos = 1 + 5 * count
-    dctx = _dctx()
-    out = []
+    table = []
     for i, (kind, length) in enumerate(entries):
         body = payload[pos : pos + length]
         pos += length
         if len(body) != length:
             raise CorruptData("truncated plane payload")
-        try:
-            data = dctx.decompress(body, max_output_size=n) if kind == _PLANE_ZSTD else body
-        except zstandard.ZstdError as exc:
-            raise CorruptData(f"zstd plane does not decode: {exc}") from exc
-        if len(data) != n:
-            raise CorruptData(f"plane {i} holds {len(data)} bytes, expected {n}")
-        out.append(np.frombuffer(data, dtype=np.uint8))
-    if count < itemsize:  # one plane holding the elements' bytes in order
-        out = [np.ascontiguousarray(out[0][i::itemsize]) for i in range(itemsize)]
-    return out
+        if kind not in (_PLANE_RAW, _PLANE_ZSTD) or (kind == _PLANE_RAW and length != n):
+            raise CorruptData(f"plane {i} holds {length} bytes, expected {n}")
+        table.append((kind, body))
+    return table
+
+
+def _decompress_all(frames: list[memoryview], sizes: list[int]) -> list[Any]:
+    """Each zstd frame decompressed, holding exactly its size in ``sizes``."""
+    if not frames:
+        return []
+    try:
+        out = _dctx().multi_decompress_to_buffer(
+            cast("list[Buffer]", frames), decompressed_sizes=struct.pack(f"<{len(sizes)}Q", *sizes)
+        )
+    except zstandard.ZstdError as exc:
+        raise CorruptData(f"zstd plane does not decode: {exc}") from exc
+    unpacked: list[Any] = [out[i] for i in range(len(out))]
+    if [len(u) for u in unpacked] != sizes:
+        raise CorruptData("a zstd plane does not hold the bytes its chunk needs")
+    return unpacked
