@@ -82,11 +82,19 @@ def _base_index(
 
 
 class _BlobWriter:
-    """Runs ``store.put_stream`` in its own thread, fed through a bounded queue."""
+    """Runs ``store.put_stream`` in its own thread, fed through a bounded queue.
+
+    Payloads are handed over in batches of ~1 MiB: a checkpoint has hundreds of small chunks,
+    and each hand-off wakes the writer thread.
+    """
+
+    _BATCH = 1 << 20
 
     def __init__(self, store: BlobStore, key: str) -> None:
         self._q: queue.Queue[object] = queue.Queue(4)
         self._result: int | BaseException | None = None
+        self._batch: list[bytes] = []
+        self._batched = 0
         self._thread = threading.Thread(target=self._run, args=(store, key), daemon=True)
         self._thread.start()
 
@@ -97,8 +105,8 @@ class _BlobWriter:
                 return
             if isinstance(item, BaseException):
                 raise item
-            assert isinstance(item, bytes)
-            yield item
+            assert isinstance(item, list)
+            yield from item
 
     def _run(self, store: BlobStore, key: str) -> None:
         try:
@@ -121,9 +129,18 @@ class _BlobWriter:
 
     def write(self, data: bytes) -> None:
         if data:
-            self._put(data)
+            self._batch.append(data)
+            self._batched += len(data)
+            if self._batched >= self._BATCH:
+                self._flush()
+
+    def _flush(self) -> None:
+        if self._batch:
+            self._put(self._batch)
+            self._batch, self._batched = [], 0
 
     def finish(self) -> int:
+        self._flush()
         self._put(_END)
         self._thread.join()
         self._raise()
