@@ -1,11 +1,12 @@
-"""Byte-plane shuffle and plane compression: numpy (what ckptstore uses) against blosc2.
+"""Byte-plane shuffle and plane compression: ckptstore's kernels against numpy and blosc2.
 
     .venv/bin/python bench/shuffle.py
 
 Prints MB/s and stored sizes for 4 MiB chunks of fp32 data: fresh weights (normal noise) and
-the residual of a slowly drifting tensor. blosc2 does the shuffle in SIMD C and compresses
-blocks with zstd; ckptstore shuffles with numpy and compresses each whole plane, storing a
-plane raw when it does not compress.
+the residual of a slowly drifting tensor. ckptstore computes the residual and shuffles in one
+fused pass (numba; the numpy reference when numba is missing) and compresses each whole
+plane, storing a plane raw when it does not compress; blosc2 shuffles in SIMD C and compresses
+blocks with zstd.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from collections.abc import Callable
 import blosc2
 import numpy as np
 
-from ckptstore.codec import _planes, decode_chunk, encode_chunk
+from ckptstore import planes as kernels
+from ckptstore.codec import decode_chunk, encode_chunk
 
 MiB = 1 << 20
 N = 1 << 20  # fp32 elements per chunk (4 MiB)
@@ -38,12 +40,26 @@ def main() -> None:
     raw = w.tobytes()
     print(f"{'what':44} {'MB/s':>8} {'ratio':>7}")
     as_u8 = w.view(np.uint8)
-    strided = rate(lambda: _planes(w.view(np.uint32), 4), len(raw))
+    values = w.view(np.uint32)
+    strided = rate(lambda: kernels.split_numpy(values, None, 0), len(raw))
     transposed = rate(lambda: as_u8.reshape(-1, 4).T.copy(), len(raw))
     print(f"{'numpy shuffle (strided copy per plane)':44} {strided:8.0f}")
     print(f"{'numpy shuffle (transposed copy)':44} {transposed:8.0f}")
     planes = as_u8.reshape(-1, 4).T.copy()
     out = np.empty((N, 4), np.uint8)
+    base = (w2.view(np.uint32) ^ 1).astype(np.uint32)
+    joined = base.copy()
+    zsub = kernels.MODES["zsub"]
+    residual = list(kernels.split(w2.view(np.uint32), base, zsub))
+    if kernels.FUSED:
+        fused_split = rate(lambda: kernels.split(w2.view(np.uint32), base, zsub), len(raw))
+        fused_join = rate(lambda: kernels.join(residual, joined, zsub), len(raw))
+        print(f"{'fused zigzag-delta + shuffle (numba)':44} {fused_split:8.0f}")
+        print(f"{'fused unshuffle + unzigzag + add (numba)':44} {fused_join:8.0f}")
+    numpy_split = rate(lambda: kernels.split_numpy(w2.view(np.uint32), base, zsub), len(raw))
+    numpy_join = rate(lambda: kernels.join_numpy(residual, joined, zsub), len(raw))
+    print(f"{'numpy zigzag-delta + shuffle':44} {numpy_split:8.0f}")
+    print(f"{'numpy unshuffle + unzigzag + add':44} {numpy_join:8.0f}")
 
     def unshuffle_columns() -> None:
         for i in range(4):

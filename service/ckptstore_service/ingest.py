@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
@@ -38,6 +38,9 @@ from ckptstore_service.storage import BlobStore
 __all__ = ["ingest"]
 
 _END = object()
+# chunks smaller than this are encoded by the ingest thread itself: a hand-off to a codec
+# thread (two wake-ups) costs more than encoding a few KiB
+_INLINE_BYTES = 64 << 10
 
 log = logging.getLogger("ckptstore")
 
@@ -235,6 +238,15 @@ def _encode_job(
     return codec.encode_chunk(raw.data, parent, itemsize, level, delta=delta)
 
 
+def _inline(fn: Callable[..., codec.EncodedChunk], *args: object) -> Future[codec.EncodedChunk]:
+    future: Future[codec.EncodedChunk] = Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as exc:
+        future.set_exception(exc)
+    return future
+
+
 def _cast_sources(header: Header) -> dict[int, int]:
     """bf16/f16 tensors that look like rounded copies of an earlier fp32 tensor.
 
@@ -428,7 +440,9 @@ def _store(
                 done = None
                 if piece.index in needed:
                     done = written[(piece.index, begin)] = threading.Event()
-                future = rt.pool.submit(
+                # a small chunk costs less to encode here than to hand to a codec thread
+                submit = _inline if end - begin < _INLINE_BYTES else rt.pool.submit
+                future = submit(
                     _encode_job,
                     buf,
                     spec.itemsize,

@@ -95,3 +95,19 @@ def test_a_single_plane_payload_decodes_for_wide_items() -> None:
         "none/1|planes1/1|zstd/1", payload, None, 4, len(raw), codec.checksum(raw)
     )
     assert out == raw
+
+
+def test_bf16_rounding_matches_the_numpy_reference_and_torch() -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    edges = [0, 1, 0x7FFF, 0x8000, 0x8001, 0x18000, 0x3F807FFF, 0x3F808000, 0x7F7FFFFF]
+    edges += [0x7F800000, 0xFF800000, 0xFFFF7FFF, 0xFFFFFFFF, 0x80000000]
+    values = np.concatenate(
+        [np.array(edges, np.uint32), rng.integers(0, 2**32, 100_000, np.uint32)]
+    )
+    fused = planes.round_bf16(values)
+    assert fused.dtype == np.uint16
+    assert np.array_equal(fused, planes.round_bf16_numpy(values))
+    finite = np.isfinite(values.view(np.float32))
+    expected = torch.from_numpy(values.view(np.float32)[finite].copy()).to(torch.bfloat16)
+    assert np.array_equal(fused[finite], expected.view(torch.int16).numpy().view(np.uint16))
