@@ -228,19 +228,25 @@ def _from_storage(
         stats.decode_s += time.perf_counter() - t0
         return out
 
-    pending: deque[tuple[int, Future[bytes]]] = deque()
-    ahead = rt.in_flight
+    # Decoded chunks queued ahead of the one being sent, bounded in bytes rather than in
+    # chunks: a state has hundreds of small tensors, and a count that keeps the codec threads
+    # busy on 4 MiB chunks lets them run dry on small ones while the sender works.
+    budget = rt.in_flight * rt.settings.chunk_bytes
+    pending: deque[tuple[int, int, Future[bytes]]] = deque()
+    queued = 0
     try:
         for c in chunks:
-            pending.append((c.tensor_idx, rt.pool.submit(decode, c)))
-            while len(pending) > ahead:
-                idx, fut = pending.popleft()
+            pending.append((c.tensor_idx, c.raw_len, rt.pool.submit(decode, c)))
+            queued += c.raw_len
+            while queued > budget:
+                idx, size, fut = pending.popleft()
+                queued -= size
                 yield idx, fut.result()
         while pending:
-            idx, fut = pending.popleft()
+            idx, _, fut = pending.popleft()
             yield idx, fut.result()
     finally:
-        for _, fut in pending:
+        for _, _, fut in pending:
             fut.cancel()
 
 
