@@ -319,11 +319,11 @@ def decode_chain(
             raise CorruptData(f"{codec} chunk in the middle of a chain")
         modes.append(planes.MODES[mode])
         tables.append(_plane_table(memoryview(payload), itemsize, raw_len))
-    # every zstd plane of the chain in one call: one GIL release instead of one per plane
-    frames = [body for table in tables for kind, body in table if kind == _PLANE_ZSTD]
-    sizes = [raw_len // len(table) for table in tables for kind, _ in table if kind == _PLANE_ZSTD]
-    unpacked = iter(_decompress_all(frames, sizes))
+    # a link's zstd planes in one call: one GIL release per link instead of one per plane,
+    # with one link's planes in memory at a time
     for link_mode, table in zip(modes, tables, strict=True):
+        size = raw_len // len(table)
+        unpacked = iter(_decompress_all([b for k, b in table if k == _PLANE_ZSTD], size))
         bodies = [
             np.frombuffer(next(unpacked) if kind == _PLANE_ZSTD else body, dtype=np.uint8)
             for kind, body in table
@@ -362,10 +362,11 @@ def _plane_table(payload: memoryview, itemsize: int, raw_len: int) -> list[tuple
     return table
 
 
-def _decompress_all(frames: list[memoryview], sizes: list[int]) -> list[Any]:
-    """Each zstd frame decompressed, holding exactly its size in ``sizes``."""
+def _decompress_all(frames: list[memoryview], size: int) -> list[Any]:
+    """Each zstd frame decompressed, holding exactly ``size`` bytes."""
     if not frames:
         return []
+    sizes = [size] * len(frames)
     try:
         out = _dctx().multi_decompress_to_buffer(
             cast("list[Buffer]", frames), decompressed_sizes=struct.pack(f"<{len(sizes)}Q", *sizes)
