@@ -218,7 +218,12 @@ def _from_storage(
             links = [(c.codec, fetch(c))]
         else:
             assert c.base_id is not None
-            links = [(codec.RAW, codec.cast_prediction(decode(closure[c.base_id]), cast[0]))]
+            master = resolve(closure[c.base_id])
+            with kept_lock:
+                source = kept.pop(master.id, None)
+            if source is None:
+                source = decode(master)
+            links = [(codec.RAW, codec.cast_prediction(source, cast[0]))]
             if cast[1] != codec.REF:
                 links.append((cast[1], fetch(c)))
         links += [(d.codec, fetch(d)) for d in reversed(deltas)]
@@ -226,6 +231,31 @@ def _from_storage(
         t0 = time.perf_counter()
         out = codec.decode_chain(links, top.itemsize, top.raw_len, top.checksum)
         stats.decode_s += time.perf_counter() - t0
+        return out
+
+    # fp32 chunks that bf16/f16 chunks of this load are predicted from: decoded once for
+    # their own tensor and kept (within a byte budget) until the copy needs them, instead
+    # of decoding their chain a second time
+    masters = set()
+    for c in chunks:
+        bottom = resolve(c)
+        while codec.is_delta(bottom.codec):
+            assert bottom.base_id is not None
+            bottom = resolve(closure[bottom.base_id])
+        if codec.split_cast(bottom.codec) is not None:
+            assert bottom.base_id is not None
+            masters.add(resolve(closure[bottom.base_id]).id)
+    kept: dict[int, bytes] = {}
+    kept_lock = threading.Lock()
+    keep_budget = 2 * rt.in_flight * rt.settings.chunk_bytes
+
+    def decode_and_keep(c: ChunkInfo) -> bytes:
+        out = decode(c)
+        resolved = resolve(c).id
+        if resolved in masters:
+            with kept_lock:
+                if sum(map(len, kept.values())) + len(out) <= keep_budget:
+                    kept[resolved] = out
         return out
 
     # Decoded chunks queued ahead of the one being sent, bounded in bytes rather than in
@@ -236,7 +266,7 @@ def _from_storage(
     queued = 0
     try:
         for c in chunks:
-            pending.append((c.tensor_idx, c.raw_len, rt.pool.submit(decode, c)))
+            pending.append((c.tensor_idx, c.raw_len, rt.pool.submit(decode_and_keep, c)))
             queued += c.raw_len
             while queued > budget:
                 idx, size, fut = pending.popleft()
