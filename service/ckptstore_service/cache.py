@@ -55,6 +55,13 @@ def open_reader(path: Path) -> int:
     return fd
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def _claim_slot(root: Path) -> tuple[Path, int]:
     """The first ``root/slot-<k>`` no live process holds, and the descriptor holding it."""
     for k in itertools.count():
@@ -74,6 +81,10 @@ class BaseCache:
     def __init__(self, root: Path, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.folder, self._owner = _claim_slot(root)
+        if self.folder.name == "slot-0":  # files of the layout before slots: the first owner
+            for path in root.iterdir():  # cleans them up
+                if not path.name.startswith("slot-"):
+                    _remove(path)
         self._entries: OrderedDict[str, CachedBase] = OrderedDict()
         self._spares: OrderedDict[str, CachedBase] = OrderedDict()
         self._orphans: list[CachedBase] = self._adopt_leftovers()
@@ -94,10 +105,8 @@ class BaseCache:
                     spare = tmp / uuid.uuid4().hex
                     os.replace(path, spare)
                     orphans.append(CachedBase(-1, spare, spare.stat().st_size))
-                elif path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path, ignore_errors=True)
                 else:
-                    path.unlink(missing_ok=True)
+                    _remove(path)
         return orphans
 
     def close(self) -> None:

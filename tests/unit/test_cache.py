@@ -33,8 +33,11 @@ def read(cache: BaseCache, run: str, checkpoint_id: int) -> bytes | None:
 def test_newest_per_run_and_lru_eviction(tmp_path: Path) -> None:
     (tmp_path / "cache" / "slot-0").mkdir(parents=True)
     (tmp_path / "cache" / "slot-0" / "5.bin").write_bytes(b"from a previous process")
+    (tmp_path / "cache" / "tmp").mkdir()  # the layout before slots
+    (tmp_path / "cache" / "7.bin").write_bytes(b"from an older version")
     cache = BaseCache(tmp_path / "cache", max_bytes=2500)
     assert read(cache, "a", 5) is None  # not trusted: recycled as a spare file
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["slot-0"]
     a1 = filled(cache, 1000)
     data = a1.read_bytes()
     cache.install("a", 1, a1, 1000)
