@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import mmap
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,3 +113,16 @@ def test_bf16_rounding_matches_the_numpy_reference_and_torch() -> None:
     finite = np.isfinite(values.view(np.float32))
     expected = torch.from_numpy(values.view(np.float32)[finite].copy()).to(torch.bfloat16)
     assert np.array_equal(fused[finite], expected.view(torch.int16).numpy().view(np.uint16))
+
+
+def test_the_service_warns_when_it_runs_the_numpy_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ckptstore_service.runtime import Runtime
+    from ckptstore_service.settings import Settings
+
+    monkeypatch.setattr(planes, "FUSED", False)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        rt = Runtime.open(Settings(data_dir=tmp_path))
+    rt.close()
+    assert "numba is not installed" in caplog.text
