@@ -348,6 +348,8 @@ def _plane_table(payload: memoryview, itemsize: int, raw_len: int) -> list[tuple
         raise CorruptData(f"truncated plane table: {exc}") from exc
     if count not in (1, itemsize) or raw_len % itemsize:
         raise CorruptData(f"{count} planes for {itemsize}-byte items")
+    if raw_len == 0:  # the encoder stores an empty chunk raw, never as planes
+        raise CorruptData("a planes payload for an empty chunk")
     n = raw_len // count
     pos = 1 + 5 * count
     table = []
@@ -358,6 +360,8 @@ def _plane_table(payload: memoryview, itemsize: int, raw_len: int) -> list[tuple
             raise CorruptData("truncated plane payload")
         if kind not in (_PLANE_RAW, _PLANE_ZSTD) or (kind == _PLANE_RAW and length != n):
             raise CorruptData(f"plane {i} holds {length} bytes, expected {n}")
+        if kind == _PLANE_ZSTD and length == 0:
+            raise CorruptData(f"plane {i} is an empty zstd frame")
         table.append((kind, body))
     return table
 
@@ -371,7 +375,7 @@ def _decompress_all(frames: list[memoryview], size: int) -> list[Any]:
         out = _dctx().multi_decompress_to_buffer(
             cast("list[Buffer]", frames), decompressed_sizes=struct.pack(f"<{len(sizes)}Q", *sizes)
         )
-    except zstandard.ZstdError as exc:
+    except (zstandard.ZstdError, ValueError) as exc:
         raise CorruptData(f"zstd plane does not decode: {exc}") from exc
     unpacked: list[Any] = [out[i] for i in range(len(out))]
     if [len(u) for u in unpacked] != sizes:

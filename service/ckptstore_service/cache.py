@@ -15,7 +15,8 @@ memcpy instead of a fresh allocation).
 Several processes may share the configured folder (replicas scaled out on one volume): each
 takes the first ``slot-<k>`` subfolder whose ``.lock`` it can ``flock`` exclusively and keeps
 the lock for its lifetime, so no process ever touches another live one's files, and a
-restarted process inherits a dead one's files to recycle.
+restarted process inherits a dead one's files to recycle. Files in other slots that no live
+process holds are deleted at start-up.
 
 Files are recycled: when a run's base is replaced, the old file becomes the run's *spare* and
 the next save overwrites it in place. Its pages are still in the page cache, so rewriting them
@@ -27,7 +28,6 @@ shared ``flock`` on their descriptor; a spare that a reader still holds is not r
 from __future__ import annotations
 
 import fcntl
-import itertools
 import os
 import shutil
 import threading
@@ -62,32 +62,59 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def _lock_slot(folder: Path) -> int | None:
+    """A descriptor holding ``folder``'s exclusive lock, or None if a live process holds it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def _claim_slot(root: Path) -> tuple[Path, int]:
-    """The first ``root/slot-<k>`` no live process holds, and the descriptor holding it."""
-    for k in itertools.count():
-        folder = root / f"slot-{k}"
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+    """The first ``root/slot-<k>`` no live process holds, and the descriptor holding it.
+
+    The files of the other slots that no process holds (left by replicas since scaled down)
+    are deleted: only a claimed slot's files are ever recycled, so they would otherwise stay
+    on disk forever.
+    """
+    k = 0
+    fd = _lock_slot(root / "slot-0")
+    while fd is None:
+        k += 1
+        fd = _lock_slot(root / f"slot-{k}")
+    for folder in root.glob("slot-*"):
+        if folder.name == f"slot-{k}" or not folder.is_dir():
             continue
-        return folder, fd
-    raise AssertionError("unreachable")
+        other = _lock_slot(folder)
+        if other is not None:
+            try:
+                for path in folder.iterdir():
+                    if path.name != ".lock":
+                        _remove(path)
+            finally:
+                os.close(other)
+    return root / f"slot-{k}", fd
 
 
 class BaseCache:
     def __init__(self, root: Path, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.folder, self._owner = _claim_slot(root)
-        if self.folder.name == "slot-0":  # files of the layout before slots: the first owner
-            for path in root.iterdir():  # cleans them up
-                if not path.name.startswith("slot-"):
-                    _remove(path)
+        try:
+            if self.folder.name == "slot-0":  # files of the layout before slots: the first
+                for path in root.iterdir():  # owner cleans them up
+                    if not path.name.startswith("slot-"):
+                        _remove(path)
+            self._orphans: list[CachedBase] = self._adopt_leftovers()
+        except BaseException:
+            os.close(self._owner)
+            raise
         self._entries: OrderedDict[str, CachedBase] = OrderedDict()
         self._spares: OrderedDict[str, CachedBase] = OrderedDict()
-        self._orphans: list[CachedBase] = self._adopt_leftovers()
         self._lock = threading.Lock()
         with self._lock:
             self._evict()
@@ -96,17 +123,17 @@ class BaseCache:
         """Turn the files an earlier process left into orphan spares; delete anything else."""
         tmp = self.folder / "tmp"
         tmp.mkdir(exist_ok=True)
+        leftovers = [p for folder in (self.folder, tmp) for p in folder.iterdir()]
         orphans = []
-        for folder in (self.folder, tmp):
-            for path in folder.iterdir():
-                if path.name == ".lock" or path == tmp:
-                    continue
-                if path.is_file() and not path.is_symlink():
-                    spare = tmp / uuid.uuid4().hex
-                    os.replace(path, spare)
-                    orphans.append(CachedBase(-1, spare, spare.stat().st_size))
-                else:
-                    _remove(path)
+        for path in leftovers:
+            if path.name == ".lock" or path == tmp:
+                continue
+            if path.is_file() and not path.is_symlink():
+                spare = tmp / uuid.uuid4().hex
+                os.replace(path, spare)
+                orphans.append(CachedBase(-1, spare, spare.stat().st_size))
+            else:
+                _remove(path)
         return orphans
 
     def close(self) -> None:

@@ -35,6 +35,7 @@ __all__ = ["CHECKSUMS_KEY", "Restore", "materialize", "open_restore"]
 CHECKSUMS_KEY = "ckptstore.xxh3_128"
 _READ_BYTES = 4 << 20
 _SEND_BYTES = 1 << 20
+_MAX_AHEAD = 256  # chunks decoded ahead, whatever their size (each costs a future)
 log = logging.getLogger("ckptstore")
 
 
@@ -268,7 +269,7 @@ def _from_storage(
         for c in chunks:
             pending.append((c.tensor_idx, c.raw_len, rt.pool.submit(decode_and_keep, c)))
             queued += c.raw_len
-            while queued > budget:
+            while queued > budget or len(pending) > _MAX_AHEAD:
                 idx, size, fut = pending.popleft()
                 queued -= size
                 yield idx, fut.result()

@@ -35,15 +35,18 @@ def keep_freed_memory(mmap_below: int = 64 << 20, trim_above: int = 256 << 20) -
     By default each such buffer is a fresh mmap: every save or load of N bytes then faults in
     and zeroes several times N bytes of new pages, and unmaps them again (measured on a cold
     deep load of 70 MB: 23k page faults and 0.3 s of system time; with this, 9k and 0.15 s).
-    Memory stays bounded by the chunks in flight; it is reused instead of returned. Returns
-    whether it applied (not on other C libraries).
+    The price: freed memory is reused rather than returned, so each malloc arena (one per
+    busy thread, up to 8 per core) may hold on to up to ``trim_above`` bytes of its own peak;
+    the peaks themselves stay bounded by the chunks in flight. Returns whether both settings
+    applied (not on other C libraries, nor on a glibc that refuses the values).
     """
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_below) and mallopt(_M_TRIM_THRESHOLD, trim_above))
+    mapped = bool(mallopt(_M_MMAP_THRESHOLD, mmap_below))
+    trimmed = bool(mallopt(_M_TRIM_THRESHOLD, trim_above))
+    return mapped and trimmed
 
 
 def check_run_name(run: str) -> str:
@@ -100,7 +103,8 @@ class Runtime:
                 "numba is not installed: the codec runs its numpy reference, 3-10x slower "
                 "(pip install 'ckptstore[server]')"
             )
-        keep_freed_memory()
+        if not keep_freed_memory():
+            log.info("glibc malloc tuning did not apply: codec buffers are fresh pages")
         return runtime
 
     @property

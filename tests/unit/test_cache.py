@@ -136,3 +136,19 @@ def test_files_left_by_an_earlier_process_are_recycled_not_trusted(tmp_path: Pat
     third = BaseCache(tmp_path, max_bytes=1500)  # over the budget: orphans are deleted
     assert sum(1 for p in (third.folder / "tmp").iterdir()) <= 1
     third.close()
+
+
+def test_files_in_slots_no_process_holds_are_deleted(tmp_path: Path) -> None:
+    live = BaseCache(tmp_path, max_bytes=10_000)  # slot-0, held
+    install(live, "a", 1, 100)
+    kept = sorted(p.name for p in live.folder.rglob("*"))
+    dead = tmp_path / "slot-3"  # a replica since scaled down
+    (dead / "tmp").mkdir(parents=True)
+    (dead / "9.bin").write_bytes(b"x" * 500)
+    (dead / "tmp" / "spare").write_bytes(b"y" * 500)
+    other = BaseCache(tmp_path, max_bytes=10_000)
+    assert other.folder.name == "slot-1"
+    assert [p.name for p in dead.iterdir()] == [".lock"]
+    assert sorted(p.name for p in live.folder.rglob("*")) == kept
+    other.close()
+    live.close()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -118,6 +121,20 @@ def test_corruption_is_detected() -> None:
         decode_chunk("lz4/9|planes4/1|zstd/1", enc.payload, base, 4, len(raw), enc.checksum)
     with pytest.raises(CorruptData):
         decode_chunk("raw/1", raw, None, 4, len(raw), b"\0" * 16)
+
+
+@pytest.mark.parametrize(
+    ("plane", "raw_len"),
+    [
+        (struct.pack("<BI", 1, 0), 16),  # an empty zstd frame
+        (struct.pack("<BI", 1, 9) + zstandard.ZstdCompressor().compress(b""), 0),  # no bytes
+        (struct.pack("<BI", 1, 4) + b"junk", 16),
+    ],
+)
+def test_forged_plane_tables_are_corrupt_data(plane: bytes, raw_len: int) -> None:
+    payload = struct.pack("<B", 1) + plane
+    with pytest.raises(CorruptData):
+        decode_chunk("none/1|planes1/1|zstd/1", payload, None, 4, raw_len, b"\0" * 16)
 
 
 def test_chunks_hold_the_same_elements_whatever_the_dtype() -> None:
