@@ -63,13 +63,7 @@ Buffer = bytes | bytearray | memoryview
 
 REF = "ref"
 RAW = "raw/1"
-_MODES = ("none", "sub", "zsub", "xor")
-_UINT: dict[int, np.dtype[Any]] = {
-    1: np.dtype("u1"),
-    2: np.dtype("<u2"),
-    4: np.dtype("<u4"),
-    8: np.dtype("<u8"),
-}
+_MODES = tuple(planes.MODES)  # "none" first: the others are deltas
 _PLANE_RAW, _PLANE_ZSTD = 0, 1
 # A plane is stored raw unless zstd gets it below this fraction of its size.
 _PLANE_GAIN = 0.95
@@ -223,7 +217,7 @@ def encode_chunk(
         return EncodedChunk(RAW, b"", digest)
     if not delta:
         base = None
-    uint = _UINT[itemsize]
+    uint = planes.UINT[itemsize]
     raw_v = np.frombuffer(raw, dtype=uint)
     base_v = None if base is None else np.frombuffer(base, dtype=uint)
     modes = _TRY_MODES if base_v is not None else ("none",)
@@ -300,10 +294,10 @@ def decode_chain(
     """
     if not links or is_delta(links[0][0]) or links[0][0] == REF:
         raise CorruptData("a chunk's chain must start with a self-contained chunk")
-    uint = _UINT[itemsize]
+    uint = planes.UINT[itemsize]
     codec, payload = links[0]
-    modes: list[int] = []
-    tables: list[list[tuple[int, memoryview]]] = []
+    # every plane table is checked before anything is decoded
+    tables: list[tuple[int, list[tuple[int, memoryview]]]] = []  # (kernel mode, planes)
     if codec == RAW:
         if len(payload) != raw_len:
             raise CorruptData(f"raw chunk of {len(payload)} bytes, expected {raw_len}")
@@ -311,17 +305,15 @@ def decode_chain(
     else:
         _parse_codec(codec, itemsize)
         values = np.empty(raw_len // itemsize, dtype=uint)
-        modes.append(planes.MODES["none"])
-        tables.append(_plane_table(memoryview(payload), itemsize, raw_len))
+        tables.append((planes.MODES["none"], _plane_table(memoryview(payload), itemsize, raw_len)))
     for codec, payload in links[1:]:
         mode = _parse_codec(codec, itemsize)
         if mode == "none" or not is_delta(codec):
             raise CorruptData(f"{codec} chunk in the middle of a chain")
-        modes.append(planes.MODES[mode])
-        tables.append(_plane_table(memoryview(payload), itemsize, raw_len))
+        tables.append((planes.MODES[mode], _plane_table(memoryview(payload), itemsize, raw_len)))
     # a link's zstd planes in one call: one GIL release per link instead of one per plane,
     # with one link's planes in memory at a time
-    for link_mode, table in zip(modes, tables, strict=True):
+    for link_mode, table in tables:
         size = raw_len // len(table)
         unpacked = iter(_decompress_all([b for k, b in table if k == _PLANE_ZSTD], size))
         bodies = [

@@ -25,6 +25,7 @@ import numpy as np
 __all__ = [
     "FUSED",
     "MODES",
+    "UINT",
     "join",
     "join_numpy",
     "round_bf16",
@@ -36,7 +37,8 @@ __all__ = [
 
 #: Residual modes, as the kernels number them.
 MODES = {"none": 0, "sub": 1, "zsub": 2, "xor": 3}
-_UINT: dict[int, np.dtype[Any]] = {
+#: The unsigned integer dtype of each element size: residuals are computed on raw bit patterns.
+UINT: dict[int, np.dtype[Any]] = {
     1: np.dtype("u1"),
     2: np.dtype("<u2"),
     4: np.dtype("<u4"),
@@ -235,7 +237,7 @@ def round_bf16(values: np.ndarray) -> np.ndarray:
 def warm_up() -> None:
     """Compile (or load from the on-disk cache) the kernels for every element size now, so
     the first save or load does not pay for it."""
-    for uint in _UINT.values():
+    for uint in UINT.values():
         raw = np.zeros(8, dtype=uint)
         planes = split(raw, raw, MODES["zsub"])
         join(list(planes), raw.copy(), MODES["zsub"])
