@@ -205,15 +205,21 @@ def _from_storage(
         stats.fetch_s += time.perf_counter() - t0
         return data
 
-    def decode(c: ChunkInfo) -> bytes:
-        """The raw bytes of ``c``: its chain back to a self-contained chunk, or to a chunk
-        predicted from an fp32 master (decoded first, then cast), decoded forward."""
+    def chain(c: ChunkInfo) -> tuple[list[ChunkInfo], ChunkInfo]:
+        """The deltas of ``c``'s chain, newest first, and the chunk they rest on: a
+        self-contained one, or one predicted from an fp32 master."""
         c = resolve(c)
         deltas = []
         while codec.is_delta(c.codec):
             deltas.append(c)
             assert c.base_id is not None
             c = resolve(closure[c.base_id])
+        return deltas, c
+
+    def decode(c: ChunkInfo) -> bytes:
+        """The raw bytes of ``c``: its chain back to a self-contained chunk, or to a chunk
+        predicted from an fp32 master (decoded first, then cast), decoded forward."""
+        deltas, c = chain(c)
         cast = codec.split_cast(c.codec)
         if cast is None:
             links = [(c.codec, fetch(c))]
@@ -239,10 +245,7 @@ def _from_storage(
     # of decoding their chain a second time
     masters = set()
     for c in chunks:
-        bottom = resolve(c)
-        while codec.is_delta(bottom.codec):
-            assert bottom.base_id is not None
-            bottom = resolve(closure[bottom.base_id])
+        _, bottom = chain(c)
         if codec.split_cast(bottom.codec) is not None:
             assert bottom.base_id is not None
             masters.add(resolve(closure[bottom.base_id]).id)
