@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import xxhash
@@ -181,12 +182,18 @@ def _rebuild_base(rt: Runtime, run: str, parent: CheckpointInfo) -> int:
     except BaseException:
         rt.cache.discard(tmp)
         raise
+    _install_if_latest(rt, run, parent.id, tmp, parent.raw_bytes)
+    return fd
+
+
+def _install_if_latest(rt: Runtime, run: str, checkpoint_id: int, tmp: Path, size: int) -> None:
+    """Make ``tmp`` the run's cached base if ``checkpoint_id`` is still its latest (a newer
+    save may have committed meanwhile), else drop it."""
     latest = rt.catalog.find(run, None)
-    if latest is not None and latest.id == parent.id:
-        rt.cache.install(run, parent.id, tmp, parent.raw_bytes)
+    if latest is not None and latest.id == checkpoint_id:
+        rt.cache.install(run, checkpoint_id, tmp, size)
     else:
         rt.cache.discard(tmp)
-    return fd
 
 
 @dataclass(frozen=True, slots=True)
@@ -513,9 +520,5 @@ def _store(
         if base_fd is not None:
             os.close(base_fd)
         os.close(cache_fd)
-    latest = rt.catalog.find(run, None)
-    if latest is not None and latest.id == checkpoint_id:
-        rt.cache.install(run, checkpoint_id, cache_tmp, header.data_len)
-    else:
-        rt.cache.discard(cache_tmp)
+    _install_if_latest(rt, run, checkpoint_id, cache_tmp, header.data_len)
     return rt.catalog.get(run, step)
