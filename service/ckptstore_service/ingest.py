@@ -36,7 +36,7 @@ from ckptstore_service.restore import materialize
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.storage import BlobStore
 
-__all__ = ["ingest"]
+__all__ = ["ingest", "unbatched"]
 
 _END = object()
 # chunks smaller than this are encoded by the ingest thread itself: a hand-off to a codec
@@ -85,6 +85,18 @@ def _base_index(
     return index
 
 
+def unbatched(items: Iterable[object], end: object) -> Iterator[bytes]:
+    """The pieces of a batched hand-off between threads: each item is a list of pieces, an
+    exception (raised here) or ``end``."""
+    for item in items:
+        if item is end:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        assert isinstance(item, list)
+        yield from item
+
+
 class _BlobWriter:
     """Runs ``store.put_stream`` in its own thread, fed through a bounded queue.
 
@@ -103,14 +115,7 @@ class _BlobWriter:
         self._thread.start()
 
     def _pieces(self) -> Iterator[bytes]:
-        while True:
-            item = self._q.get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            assert isinstance(item, list)
-            yield from item
+        return unbatched(iter(self._q.get, None), _END)  # get() until _END (never None)
 
     def _run(self, store: BlobStore, key: str) -> None:
         try:

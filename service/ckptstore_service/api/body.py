@@ -15,6 +15,7 @@ import anyio
 from starlette.requests import ClientDisconnect, Request
 
 from ckptstore.errors import InvalidStream
+from ckptstore_service.ingest import unbatched
 
 __all__ = ["BodyPipe", "drain", "pump", "receive_body"]
 
@@ -56,14 +57,11 @@ class BodyPipe:
                 return items
 
     def __iter__(self) -> Iterator[bytes]:
-        while True:
-            for item in anyio.from_thread.run(self._receive_all):
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                assert isinstance(item, list)
-                yield from item
+        def received() -> Iterator[object]:
+            while True:
+                yield from anyio.from_thread.run(self._receive_all)
+
+        return unbatched(received(), _END)
 
 
 async def receive_body(request: Request, ended: list[bool]) -> AsyncIterator[bytes]:
