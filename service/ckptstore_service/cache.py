@@ -33,6 +33,7 @@ import shutil
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,13 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def _clear(folder: Path, keep: Callable[[str], bool]) -> None:
+    """Delete what ``folder`` holds but the names ``keep`` accepts."""
+    for path in folder.iterdir():
+        if not keep(path.name):
+            _remove(path)
 
 
 def _lock_slot(folder: Path) -> int | None:
@@ -92,9 +100,7 @@ def _claim_slot(root: Path) -> tuple[Path, int]:
         other = _lock_slot(folder)
         if other is not None:
             try:
-                for path in folder.iterdir():
-                    if path.name != ".lock":
-                        _remove(path)
+                _clear(folder, keep=lambda name: name == ".lock")
             finally:
                 os.close(other)
     return root / f"slot-{k}", fd
@@ -105,10 +111,8 @@ class BaseCache:
         self.max_bytes = max_bytes
         self.folder, self._owner = _claim_slot(root)
         try:
-            if self.folder.name == "slot-0":  # files of the layout before slots: the first
-                for path in root.iterdir():  # owner cleans them up
-                    if not path.name.startswith("slot-"):
-                        _remove(path)
+            if self.folder.name == "slot-0":  # the first owner removes the layout before slots
+                _clear(root, keep=lambda name: name.startswith("slot-"))
             self._orphans: list[CachedBase] = self._adopt_leftovers()
         except BaseException:
             os.close(self._owner)
