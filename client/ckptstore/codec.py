@@ -36,7 +36,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import xxhash
@@ -64,7 +64,10 @@ Buffer = bytes | bytearray | memoryview
 REF = "ref"
 RAW = "raw/1"
 _MODES = tuple(planes.MODES)  # "none" first: the others are deltas
-_PLANE_RAW, _PLANE_ZSTD = 0, 1
+_PLANE_RAW, _PLANE_ZSTD, _PLANE_SPARSE = 0, 1, 2
+# A sparse plane: u32 count of nonzero bytes, u32 length of their gap stream, then one zstd
+# frame of the gap stream and the values (see planes.sparse_pack); no frame if count is 0.
+_SPARSE_HEAD = struct.Struct("<II")
 # A plane is stored raw unless zstd gets it below this fraction of its size.
 _PLANE_GAIN = 0.95
 # Chunks above this size choose their mode and planes on a sample of this many bytes.
@@ -72,6 +75,10 @@ _SAMPLE_BYTES = 32 << 10
 # Modes the encoder tries (plain ``sub`` rarely beats ``zsub``; it stays decodable).
 _TRY_MODES = ("none", "zsub", "xor")
 _SAMPLE_WINDOWS = 4
+# Chunks below this size are stored whole, never as deltas: a restore walks a delta's whole
+# chain, one decode per link, and for a bias or a norm's weights that costs far more time
+# than the few bytes the delta saves (bench/: 0.1% of the bytes, half of the chain links).
+_DELTA_MIN_BYTES = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,35 +171,56 @@ def _pack_planes(
     base: np.ndarray | None,
     modes: Sequence[str],
     level: int,
-    want: Sequence[bool] | None,
+    kinds: Sequence[int] | None,
     gain: float,
-) -> list[tuple[str, int, list[Buffer], list[int]]]:
-    """For each mode, the residual of ``raw`` against ``base`` split into byte planes, zstd on
-    the planes in ``want`` (all if None) that shrink below ``gain`` x their size: (mode, total
-    size, plane bodies, plane kinds). All the compressions are one zstd call (one GIL release
+) -> list[tuple[str, int, list[tuple[int, list[Buffer]]]]]:
+    """For each mode, the residual of ``raw`` against ``base`` split into byte planes, each
+    stored the smallest way it is allowed (``kinds`` per plane; every way if None): zstd,
+    sparse, or raw when neither gets below ``gain`` x its size. Returns (mode, total size,
+    per plane (kind, body parts)). All the compressions are one zstd call (one GIL release
     instead of one per plane: the codec threads hand the GIL back and forth less)."""
     split = {
         m: planes.split(raw, base, planes.MODES[m if base is not None else "none"]) for m in modes
     }
-    todo = [(m, i) for m in modes for i in range(len(split[m])) if want is None or want[i]]
-    by_plane: dict[tuple[str, int], memoryview] = {}
-    if todo:
-        packed = _cctx(level).multi_compress_to_buffer([split[m][i].data for m, i in todo])
-        by_plane = {key: memoryview(cast(Any, packed[j])) for j, key in enumerate(todo)}
+    jobs: list[tuple[tuple[str, int, int], Buffer]] = []
+    heads: dict[tuple[str, int], bytes] = {}
+    for m in modes:
+        for i, plane in enumerate(split[m]):
+            kind = None if kinds is None else kinds[i]
+            if kind in (None, _PLANE_ZSTD):
+                jobs.append(((m, i, _PLANE_ZSTD), plane.data))
+            if kind in (None, _PLANE_SPARSE):
+                count, stream = planes.sparse_pack(plane)
+                if kind == _PLANE_SPARSE or 2 * count <= len(plane):
+                    heads[m, i] = _SPARSE_HEAD.pack(count, len(stream) - count)
+                    if count:
+                        jobs.append(((m, i, _PLANE_SPARSE), stream.data))
+    packed: dict[tuple[str, int, int], Buffer] = {}
+    if jobs:
+        frames = _cctx(level).multi_compress_to_buffer([data for _, data in jobs])
+        packed = {key: memoryview(cast(Any, frames[j])) for j, (key, _) in enumerate(jobs)}
     out = []
     for m in modes:
-        bodies: list[Buffer] = []
-        kinds: list[int] = []
+        stored: list[tuple[int, list[Buffer]]] = []
         for i, plane in enumerate(split[m]):
-            small = by_plane.get((m, i))
-            if small is not None and len(small) < gain * len(plane):
-                bodies.append(small)
-                kinds.append(_PLANE_ZSTD)
+            options: list[tuple[int, list[Buffer]]] = []
+            if (m, i, _PLANE_ZSTD) in packed:
+                options.append((_PLANE_ZSTD, [packed[m, i, _PLANE_ZSTD]]))
+            if (m, i) in heads:
+                frame = packed.get((m, i, _PLANE_SPARSE))
+                options.append((_PLANE_SPARSE, [heads[m, i]] + ([frame] if frame else [])))
+            # the smallest; on a tie sparse, which decodes several times faster
+            best = min(options, key=lambda o: (_size(o[1]), o[0] != _PLANE_SPARSE), default=None)
+            if best is not None and _size(best[1]) < gain * len(plane):
+                stored.append(best)
             else:
-                bodies.append(plane.data)
-                kinds.append(_PLANE_RAW)
-        out.append((m, sum(len(b) for b in bodies), bodies, kinds))
+                stored.append((_PLANE_RAW, [plane.data]))
+        out.append((m, sum(_size(parts) for _, parts in stored), stored))
     return out
+
+
+def _size(parts: Sequence[Buffer]) -> int:
+    return sum(len(p) for p in parts)
 
 
 def encode_chunk(
@@ -215,7 +243,7 @@ def encode_chunk(
         return EncodedChunk(REF, b"", digest)
     if not len(raw):
         return EncodedChunk(RAW, b"", digest)
-    if not delta:
+    if not delta or len(raw) < _DELTA_MIN_BYTES:
         base = None
     uint = planes.UINT[itemsize]
     raw_v = np.frombuffer(raw, dtype=uint)
@@ -225,22 +253,23 @@ def encode_chunk(
     if len(raw_v) <= 2 * count:
         # small chunk: encode it every way and keep the smallest
         tries = _pack_planes(raw_v, base_v, modes, level, None, 1.0)
-        mode, _, bodies, kinds = min(tries, key=lambda t: t[1])
+        mode, _, stored = min(tries, key=lambda t: t[1])
     else:
         # large chunk: choose the mode and the planes worth compressing on a sample
         raw_s = _sample(raw_v, count)
         base_s = None if base_v is None else _sample(base_v, count)
         trials = _pack_planes(raw_s, base_s, modes, level, None, _PLANE_GAIN)
-        mode, _, _, sample_kinds = min(trials, key=lambda t: t[1])
-        want = [k == _PLANE_ZSTD for k in sample_kinds]
-        [(_, _, bodies, kinds)] = _pack_planes(raw_v, base_v, [mode], level, want, 1.0)
-    table = [struct.pack("<B", len(bodies))] + [
-        struct.pack("<BI", k, len(b)) for k, b in zip(kinds, bodies, strict=True)
-    ]
-    payload = b"".join([*table, *bodies])
+        mode, _, chosen = min(trials, key=lambda t: t[1])
+        kinds = [kind for kind, _ in chosen]
+        [(_, _, stored)] = _pack_planes(raw_v, base_v, [mode], level, kinds, 1.0)
+    table: list[Buffer] = [struct.pack("<B", len(stored))]
+    table += [struct.pack("<BI", kind, _size(parts)) for kind, parts in stored]
+    payload = b"".join(table + [part for _, parts in stored for part in parts])
     if len(payload) >= len(raw):
         return EncodedChunk(RAW, bytes(raw), digest)
-    return EncodedChunk(f"{mode}/1|planes{len(bodies)}/1|zstd/1", payload, digest)
+    # planes/2 when a plane is sparse: readers of planes/1 only reject such chunks
+    version = 2 if any(kind == _PLANE_SPARSE for kind, _ in stored) else 1
+    return EncodedChunk(f"{mode}/1|planes{len(stored)}/{version}|zstd/1", payload, digest)
 
 
 def _equal(a: Buffer, b: Buffer) -> bool:
@@ -250,17 +279,18 @@ def _equal(a: Buffer, b: Buffer) -> bool:
     return len(x) == len(y) and np.array_equal(x[:4096], y[:4096]) and np.array_equal(x, y)
 
 
-def _parse_codec(codec: str, itemsize: int) -> str:
+def _parse_codec(codec: str, itemsize: int) -> tuple[str, int]:
+    """The residual mode and the planes layer's version of a planes codec spec."""
     parts = codec.split("|")
     if (
         len(parts) != 3
         or parts[0].split("/")[0] not in _MODES
         or parts[0].split("/")[1:] != ["1"]
-        or parts[1] not in (f"planes{itemsize}/1", "planes1/1")
+        or parts[1] not in {f"planes{k}/{v}" for k in (itemsize, 1) for v in (1, 2)}
         or parts[2] != "zstd/1"
     ):
         raise CorruptData(f"unknown codec spec {codec!r} for {itemsize}-byte items")
-    return parts[0].split("/")[0]
+    return parts[0].split("/")[0], int(parts[1][-1])
 
 
 def decode_chunk(
@@ -297,29 +327,41 @@ def decode_chain(
     uint = planes.UINT[itemsize]
     codec, payload = links[0]
     # every plane table is checked before anything is decoded
-    tables: list[tuple[int, list[tuple[int, memoryview]]]] = []  # (kernel mode, planes)
+    tables: list[tuple[int, list[_Plane]]] = []  # (kernel mode, planes)
     if codec == RAW:
         if len(payload) != raw_len:
             raise CorruptData(f"raw chunk of {len(payload)} bytes, expected {raw_len}")
         values = np.frombuffer(bytearray(payload), dtype=uint)
     else:
-        _parse_codec(codec, itemsize)
+        _, version = _parse_codec(codec, itemsize)
         values = np.empty(raw_len // itemsize, dtype=uint)
-        tables.append((planes.MODES["none"], _plane_table(memoryview(payload), itemsize, raw_len)))
+        table = _plane_table(memoryview(payload), itemsize, raw_len, version)
+        tables.append((planes.MODES["none"], table))
     for codec, payload in links[1:]:
-        mode = _parse_codec(codec, itemsize)
+        mode, version = _parse_codec(codec, itemsize)
         if mode == "none" or not is_delta(codec):
             raise CorruptData(f"{codec} chunk in the middle of a chain")
-        tables.append((planes.MODES[mode], _plane_table(memoryview(payload), itemsize, raw_len)))
-    # a link's zstd planes in one call: one GIL release per link instead of one per plane,
+        table = _plane_table(memoryview(payload), itemsize, raw_len, version)
+        tables.append((planes.MODES[mode], table))
+    # a link's zstd frames in one call: one GIL release per link instead of one per plane,
     # with one link's planes in memory at a time
     for link_mode, table in tables:
         size = raw_len // len(table)
-        unpacked = iter(_decompress_all([b for k, b in table if k == _PLANE_ZSTD], size))
-        bodies = [
-            np.frombuffer(next(unpacked) if kind == _PLANE_ZSTD else body, dtype=np.uint8)
-            for kind, body in table
-        ]
+        framed = [p for p in table if p.kind != _PLANE_RAW and p.size]
+        unpacked = iter(_decompress_all([p.body for p in framed], [p.size for p in framed]))
+        bodies = []
+        for p in table:
+            if p.kind == _PLANE_RAW:
+                bodies.append(np.frombuffer(p.body, dtype=np.uint8))
+                continue
+            data = np.frombuffer(next(unpacked) if p.size else b"", dtype=np.uint8)
+            if p.kind == _PLANE_ZSTD:
+                bodies.append(data)
+                continue
+            dense = np.empty(size, np.uint8)
+            if not planes.sparse_unpack(data, p.nonzero, dense):
+                raise CorruptData("a sparse plane's gaps do not fit its chunk")
+            bodies.append(dense)
         if len(bodies) < itemsize:  # one plane holding the elements' bytes in order
             bodies = [np.ascontiguousarray(bodies[0][i::itemsize]) for i in range(itemsize)]
         planes.join(bodies, values, link_mode)
@@ -331,8 +373,15 @@ def decode_chain(
     return out
 
 
-def _plane_table(payload: memoryview, itemsize: int, raw_len: int) -> list[tuple[int, memoryview]]:
-    """``(kind, body)`` of each plane in a planes payload, lengths checked."""
+class _Plane(NamedTuple):
+    kind: int
+    body: memoryview  # raw bytes, or the zstd frame (none for an all-zero sparse plane)
+    size: int  # bytes the frame decompresses to
+    nonzero: int = 0  # nonzero bytes of a sparse plane
+
+
+def _plane_table(payload: memoryview, itemsize: int, raw_len: int, version: int) -> list[_Plane]:
+    """The planes of a planes payload, lengths and sparse headers checked."""
     try:
         (count,) = struct.unpack_from("<B", payload, 0)
         entries = [struct.unpack_from("<BI", payload, 1 + 5 * i) for i in range(count)]
@@ -343,6 +392,7 @@ def _plane_table(payload: memoryview, itemsize: int, raw_len: int) -> list[tuple
     if raw_len == 0:  # the encoder stores an empty chunk raw, never as planes
         raise CorruptData("a planes payload for an empty chunk")
     n = raw_len // count
+    kinds = (_PLANE_RAW, _PLANE_ZSTD) + ((_PLANE_SPARSE,) if version >= 2 else ())
     pos = 1 + 5 * count
     table = []
     for i, (kind, length) in enumerate(entries):
@@ -350,19 +400,32 @@ def _plane_table(payload: memoryview, itemsize: int, raw_len: int) -> list[tuple
         pos += length
         if len(body) != length:
             raise CorruptData("truncated plane payload")
-        if kind not in (_PLANE_RAW, _PLANE_ZSTD) or (kind == _PLANE_RAW and length != n):
+        if kind not in kinds or (kind == _PLANE_RAW and length != n):
             raise CorruptData(f"plane {i} holds {length} bytes, expected {n}")
         if kind == _PLANE_ZSTD and length == 0:
             raise CorruptData(f"plane {i} is an empty zstd frame")
-        table.append((kind, body))
+        if kind == _PLANE_SPARSE:
+            table.append(_sparse_plane(i, body, n))
+        else:
+            table.append(_Plane(kind, body, n))
     return table
 
 
-def _decompress_all(frames: list[memoryview], size: int) -> list[Any]:
-    """Each zstd frame decompressed, holding exactly ``size`` bytes."""
+def _sparse_plane(i: int, body: memoryview, n: int) -> _Plane:
+    if len(body) < _SPARSE_HEAD.size:
+        raise CorruptData(f"plane {i}: truncated sparse header")
+    count, gap_len = _SPARSE_HEAD.unpack_from(body)
+    frame = body[_SPARSE_HEAD.size :]
+    # each nonzero byte has one gap byte, plus one 255 per 255 zeros skipped: bounded by n
+    if count > n or not count <= gap_len <= count + n // 255 or bool(count) != bool(frame):
+        raise CorruptData(f"plane {i}: sparse header ({count}, {gap_len}) does not fit {n} bytes")
+    return _Plane(_PLANE_SPARSE, frame, gap_len + count, count)
+
+
+def _decompress_all(frames: list[memoryview], sizes: list[int]) -> list[Any]:
+    """Each zstd frame decompressed, holding exactly its size in ``sizes``."""
     if not frames:
         return []
-    sizes = [size] * len(frames)
     try:
         out = _dctx().multi_decompress_to_buffer(
             cast("list[Buffer]", frames), decompressed_sizes=struct.pack(f"<{len(sizes)}Q", *sizes)

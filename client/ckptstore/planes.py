@@ -30,6 +30,10 @@ __all__ = [
     "join_numpy",
     "round_bf16",
     "round_bf16_numpy",
+    "sparse_pack",
+    "sparse_pack_numpy",
+    "sparse_unpack",
+    "sparse_unpack_numpy",
     "split",
     "split_numpy",
     "warm_up",
@@ -44,6 +48,9 @@ UINT: dict[int, np.dtype[Any]] = {
     4: np.dtype("<u4"),
     8: np.dtype("<u8"),
 }
+
+
+_GAP_ESCAPE = 255  # a sparse stream's gap byte that continues the gap into the next byte
 
 
 # -- numpy reference ----------------------------------------------------------------------
@@ -98,6 +105,33 @@ def join_numpy(planes: Sequence[np.ndarray], out: np.ndarray, mode: int) -> None
         np.bitwise_xor(out, values, out=out)
     else:
         np.add(out, _unzigzag(values) if mode == MODES["zsub"] else values, out=out)
+
+
+def sparse_pack_numpy(plane: np.ndarray) -> tuple[int, np.ndarray]:
+    nonzero = np.flatnonzero(plane)
+    gaps = np.diff(nonzero, prepend=-1) - 1
+    extra = gaps // _GAP_ESCAPE
+    stream = np.full(len(gaps) + int(extra.sum()) + len(nonzero), _GAP_ESCAPE, np.uint8)
+    ends = np.cumsum(extra + 1) - 1
+    stream[ends] = gaps % _GAP_ESCAPE
+    stream[len(stream) - len(nonzero) :] = plane[nonzero]
+    return len(nonzero), stream
+
+
+def sparse_unpack_numpy(stream: np.ndarray, count: int, out: np.ndarray) -> bool:
+    gap_len = len(stream) - count
+    if gap_len < 0:
+        return False
+    gaps = stream[:gap_len]
+    ends = np.flatnonzero(gaps != _GAP_ESCAPE)
+    if len(ends) != count or (gap_len and gaps[-1] == _GAP_ESCAPE):
+        return False
+    positions = np.cumsum(gaps, dtype=np.int64)[ends] + np.arange(count)
+    if count and positions[-1] >= len(out):
+        return False
+    out[:] = 0
+    out[positions] = stream[gap_len:]
+    return True
 
 
 def round_bf16_numpy(values: np.ndarray) -> np.ndarray:
@@ -167,25 +201,80 @@ def _join_kernel(planes: Any, out: Any, mode: int) -> None:  # pragma: no cover 
             out[i] += (v >> one) ^ (zero - (v & one))
 
 
+def _sparse_pack_kernel(plane: Any) -> Any:  # pragma: no cover - jit
+    n = plane.shape[0]
+    count = 0
+    for i in range(n):
+        count += plane[i] != 0
+    # gap bytes: one per nonzero, plus one 255 per 255 zeros in a row (at most n // 255)
+    stream = np.empty(2 * count + n // 255 + 1, np.uint8)
+    values = np.empty(count, np.uint8)
+    g = 0
+    j = 0
+    last = -1
+    for i in range(n):
+        if plane[i] != 0:
+            gap = i - last - 1
+            while gap >= 255:
+                stream[g] = 255
+                g += 1
+                gap -= 255
+            stream[g] = gap
+            g += 1
+            values[j] = plane[i]
+            j += 1
+            last = i
+    stream[g : g + count] = values
+    return count, stream[: g + count]
+
+
+def _sparse_unpack_kernel(stream: Any, count: int, out: Any) -> bool:  # pragma: no cover - jit
+    n = out.shape[0]
+    gap_len = stream.shape[0] - count
+    if gap_len < 0:
+        return False
+    out[:] = 0
+    pos = -1
+    j = 0
+    gap = 0
+    for i in range(gap_len):
+        b = stream[i]
+        gap += b
+        if b != 255:
+            pos += gap + 1
+            if j >= count or pos >= n:
+                return False
+            out[pos] = stream[gap_len + j]
+            j += 1
+            gap = 0
+    return j == count and gap == 0
+
+
 def _bf16_kernel(values: Any, out: Any) -> None:  # pragma: no cover - jit
     for i in range(values.shape[0]):
         v = values[i]
         out[i] = np.uint16((v + np.uint32(0x7FFF) + ((v >> np.uint32(16)) & np.uint32(1))) >> 16)
 
 
-def _compile() -> tuple[Callable[..., None], ...] | None:
+def _compile() -> tuple[Callable[..., Any], ...] | None:
     try:
         import numba
     except ImportError:
         return None
 
-    def jit(fn: Callable[..., None], cache: bool) -> Callable[..., None]:
-        compiled: Callable[..., None] = numba.njit(
+    def jit(fn: Callable[..., Any], cache: bool) -> Callable[..., Any]:
+        compiled: Callable[..., Any] = numba.njit(
             fn, cache=cache, nogil=True, boundscheck=False, error_model="numpy"
         )
         return compiled
 
-    kernels = (_split_kernel, _join_kernel, _bf16_kernel)
+    kernels = (
+        _split_kernel,
+        _join_kernel,
+        _bf16_kernel,
+        _sparse_pack_kernel,
+        _sparse_unpack_kernel,
+    )
     try:
         return tuple(jit(k, True) for k in kernels)
     except RuntimeError:  # no writable cache location: compile in every process instead
@@ -234,6 +323,25 @@ def round_bf16(values: np.ndarray) -> np.ndarray:
     return out
 
 
+def sparse_pack(plane: np.ndarray) -> tuple[int, np.ndarray]:
+    """A mostly-zero uint8 plane as ``(count, stream)``: ``count`` nonzero bytes, and a
+    stream of the gaps before each of them (zero bytes skipped; a gap of 255 or more is
+    written as that many 255 bytes, ``gap // 255`` of them, then ``gap % 255``) followed by
+    the ``count`` nonzero values."""
+    if _KERNELS is None:
+        return sparse_pack_numpy(plane)
+    count, stream = _KERNELS[3](_readonly(plane))
+    return int(count), stream
+
+
+def sparse_unpack(stream: np.ndarray, count: int, out: np.ndarray) -> bool:
+    """Inverse of :func:`sparse_pack` into the uint8 array ``out`` (the plane's length);
+    False if ``stream`` is not a well-formed stream of ``count`` values for that length."""
+    if _KERNELS is None:
+        return sparse_unpack_numpy(stream, count, out)
+    return bool(_KERNELS[4](_readonly(stream), count, out))
+
+
 def warm_up() -> None:
     """Compile (or load from the on-disk cache) the kernels for every element size now, so
     the first save or load does not pay for it."""
@@ -242,3 +350,5 @@ def warm_up() -> None:
         planes = split(raw, raw, MODES["zsub"])
         join(list(planes), raw.copy(), MODES["zsub"])
     round_bf16(np.zeros(8, np.uint32))
+    count, stream = sparse_pack(np.zeros(8, np.uint8))
+    sparse_unpack(stream, count, np.empty(8, np.uint8))

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from ckptstore.codec import (
     REF,
     cast_prediction,
+    checksum,
     chunk_step,
     decode_chunk,
     encode_chunk,
@@ -66,6 +67,17 @@ def test_drifting_float32_gains_from_the_delta() -> None:
     solo = encode_chunk(raw, base, 4, delta=False)
     assert solo.codec.startswith("none/")
     assert decode_chunk(solo.codec, solo.payload, None, 4, len(raw), solo.checksum) == raw
+
+
+def test_small_chunks_are_stored_whole() -> None:
+    # a bias or a norm's weights: a delta would save a few bytes and cost a chain walk
+    w = rng.standard_normal(4096).astype(np.float32)
+    moved = w + np.float32(1e-4)
+    small = encode_chunk(moved.tobytes(), w.tobytes(), 4)
+    assert small.codec.startswith("none/")
+    assert encode_chunk(w.tobytes(), w.tobytes(), 4).codec == REF  # unchanged: still shared
+    big_w = np.tile(w, 8)  # 128 KiB
+    assert is_delta(encode_chunk((big_w + np.float32(1e-4)).tobytes(), big_w.tobytes(), 4).codec)
 
 
 def test_drifting_bfloat16_roundtrip() -> None:
@@ -169,3 +181,55 @@ def test_property_roundtrip(itemsize: int, data: st.DataObject) -> None:
     base = data.draw(st.one_of(st.none(), st.binary(min_size=n, max_size=n)))
     level = data.draw(st.sampled_from([1, 3]))
     roundtrip(raw, base, itemsize, level=level)
+
+
+def test_mostly_zero_planes_are_stored_sparse() -> None:
+    # a slowly moving fp32 tensor: the high bytes of the zigzag residual are nonzero in a
+    # small share of the elements (where the exponent changes), so they are stored sparse
+    local = np.random.default_rng(1)
+    w = local.standard_normal(1 << 20).astype(np.float32)
+    moved = w + local.standard_normal(len(w)).astype(np.float32) * 1e-3
+    codec = roundtrip(moved.tobytes(), w.tobytes(), 4)
+    assert codec == "zsub/1|planes4/2|zstd/1"
+    enc = encode_chunk(moved.tobytes(), w.tobytes(), 4)
+    kinds = [struct.unpack_from("<BI", enc.payload, 1 + 5 * i)[0] for i in range(4)]
+    assert kinds == [0, 0, 2, 2]  # low bytes raw (noise), high bytes sparse
+    # a residual that is zero but for one element: four sparse planes of one value each
+    one = w.copy()
+    one[12345] = 1.0
+    tiny = encode_chunk(one.tobytes(), w.tobytes(), 4)
+    assert [struct.unpack_from("<BI", tiny.payload, 1 + 5 * i)[0] for i in range(4)] == [2] * 4
+    assert len(tiny.payload) < 150
+    assert roundtrip(one.tobytes(), w.tobytes(), 4).endswith("/2|zstd/1")
+
+
+def _sparse_payload(count: int, gap_len: int, stream: bytes) -> bytes:
+    frame = zstandard.ZstdCompressor().compress(stream) if stream else b""
+    body = struct.pack("<II", count, gap_len) + frame
+    return struct.pack("<B", 1) + struct.pack("<BI", 2, len(body)) + body
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        _sparse_payload(1, 1, bytes([200, 7])),  # value past the end of the chunk
+        _sparse_payload(2, 1, bytes([0, 7, 7])),  # fewer gaps than values
+        _sparse_payload(1, 1, bytes([0, 7, 7])),  # frame longer than its header says
+        _sparse_payload(17, 17, bytes(34)),  # more values than bytes in the chunk
+        _sparse_payload(1, 500, bytes([255] * 499 + [0, 7])),  # more gap bytes than can be
+        _sparse_payload(0, 0, bytes([1])),  # a frame for no values
+        _sparse_payload(1, 1, b""),  # values and no frame
+        struct.pack("<B", 1) + struct.pack("<BI", 2, 3) + b"abc",  # truncated header
+    ],
+)
+def test_forged_sparse_planes_are_corrupt_data(payload: bytes) -> None:
+    with pytest.raises(CorruptData):
+        decode_chunk("none/1|planes1/2|zstd/1", payload, None, 4, 16, b"\0" * 16)
+
+
+def test_sparse_planes_need_the_planes_2_spec() -> None:
+    raw = bytes([0] * 15 + [7])
+    payload = _sparse_payload(1, 1, bytes([15, 7]))
+    assert decode_chunk("none/1|planes1/2|zstd/1", payload, None, 4, 16, checksum(raw)) == raw
+    with pytest.raises(CorruptData):  # planes/1 readers know raw and zstd planes only
+        decode_chunk("none/1|planes1/1|zstd/1", payload, None, 4, 16, checksum(raw))

@@ -126,3 +126,49 @@ def test_the_service_warns_when_it_runs_the_numpy_reference(
         rt = Runtime.open(Settings(data_dir=tmp_path))
     rt.close()
     assert "numba is not installed" in caplog.text
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n=st.integers(0, 2000),
+    density=st.sampled_from([0.0, 0.001, 0.05, 0.5, 1.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_sparse_pack_matches_the_numpy_reference_and_unpacks(
+    n: int, density: float, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    plane = np.where(rng.random(n) < density, rng.integers(1, 256, n), 0).astype(np.uint8)
+    count, stream = planes.sparse_pack(plane)
+    ref_count, ref_stream = planes.sparse_pack_numpy(plane)
+    assert (count, stream.tobytes()) == (ref_count, ref_stream.tobytes())
+    assert count == np.count_nonzero(plane)
+    for unpack in (planes.sparse_unpack, planes.sparse_unpack_numpy):
+        out = np.full(n, 7, np.uint8)  # stale bytes are overwritten
+        assert unpack(stream, count, out)
+        assert np.array_equal(out, plane), unpack.__name__
+
+
+def test_sparse_gaps_of_255_and_more_are_escaped() -> None:
+    plane = np.zeros(2000, np.uint8)
+    plane[[254, 254 + 256, 254 + 256 + 511, 1999]] = [1, 2, 3, 4]
+    count, stream = planes.sparse_pack(plane)
+    # gaps 254, 255, 510, 977 -> 254 | 255 0 | 255 255 0 | 255 255 255 212, then the values
+    expected = [254, 255, 0, 255, 255, 0, 255, 255, 255, 212, 1, 2, 3, 4]
+    assert (count, stream.tolist()) == (4, expected)
+
+
+@pytest.mark.parametrize(
+    ("stream", "count", "n"),
+    [
+        ([255], 1, 300),  # a gap that never ends
+        ([5, 9], 1, 3),  # a value past the end of the plane
+        ([0, 0, 9], 1, 4),  # two gaps for one value
+        ([0, 9], 2, 4),  # one gap for two values
+        ([], 1, 4),  # nothing at all
+    ],
+)
+def test_malformed_sparse_streams_are_rejected(stream: list[int], count: int, n: int) -> None:
+    data = np.array(stream, np.uint8)
+    for unpack in (planes.sparse_unpack, planes.sparse_unpack_numpy):
+        assert not unpack(data, count, np.empty(n, np.uint8)), unpack.__name__
