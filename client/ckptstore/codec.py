@@ -68,6 +68,11 @@ _PLANE_RAW, _PLANE_ZSTD, _PLANE_SPARSE = 0, 1, 2
 # A sparse plane: u32 count of nonzero bytes, u32 length of their gap stream, then one zstd
 # frame of the gap stream and the values (see planes.sparse_pack); no frame if count is 0.
 _SPARSE_HEAD = struct.Struct("<II")
+# A runs layer: u32 count of runs, u32 length of one zstd frame of the runs as u32 pairs
+# (skip, length): the elements whose residual is zero are left out of the planes.
+_RUNS_HEAD = struct.Struct("<II")
+_RUNS_MIN_SHARE = 8  # zero elements must be at least 1/8 of the chunk
+_RUNS_MIN_GAP = 16  # and come in stretches this long on average
 # A plane is stored raw unless zstd gets it below this fraction of its size.
 _PLANE_GAIN = 0.95
 # Chunks above this size choose their mode and planes on a sample of this many bytes.
@@ -158,30 +163,42 @@ def _dctx() -> zstandard.ZstdDecompressor:
 
 
 def _sample(arr: np.ndarray, count: int) -> np.ndarray:
-    """``count`` elements taken from a few windows spread over ``arr``."""
-    if len(arr) <= 2 * count:
+    """``count`` elements (along the last axis) from a few windows spread over ``arr``."""
+    n = arr.shape[-1]
+    if n <= 2 * count:
         return arr
     window = count // _SAMPLE_WINDOWS
-    stride = (len(arr) - window) // (_SAMPLE_WINDOWS - 1)
-    return np.concatenate([arr[i * stride : i * stride + window] for i in range(_SAMPLE_WINDOWS)])
+    stride = (n - window) // (_SAMPLE_WINDOWS - 1)
+    parts = [arr[..., i * stride : i * stride + window] for i in range(_SAMPLE_WINDOWS)]
+    return np.concatenate(parts, axis=-1)
+
+
+def _zero_runs(split: np.ndarray) -> np.ndarray | None:
+    """The runs of elements whose residual is nonzero, if leaving out the others pays: at
+    least 1/8 of the elements are zero, in stretches of 16+ on average (the rows of an
+    embedding or of its Adam moments that fine-tuning did not touch)."""
+    n = split.shape[1]
+    mask = np.bitwise_or.reduce(split, axis=0) != 0
+    kept = int(np.count_nonzero(mask))
+    zeros = n - kept
+    if not kept or zeros * _RUNS_MIN_SHARE < n:
+        return None
+    runs = planes.element_runs(mask)
+    return runs if len(runs) // 2 * _RUNS_MIN_GAP <= zeros else None
 
 
 def _pack_planes(
-    raw: np.ndarray,
-    base: np.ndarray | None,
-    modes: Sequence[str],
+    split: dict[str, np.ndarray],
     level: int,
     kinds: Sequence[int] | None,
     gain: float,
 ) -> list[tuple[str, int, list[tuple[int, list[Buffer]]]]]:
-    """For each mode, the residual of ``raw`` against ``base`` split into byte planes, each
-    stored the smallest way it is allowed (``kinds`` per plane; every way if None): zstd,
-    sparse, or raw when neither gets below ``gain`` x its size. Returns (mode, total size,
-    per plane (kind, body parts)). All the compressions are one zstd call (one GIL release
-    instead of one per plane: the codec threads hand the GIL back and forth less)."""
-    split = {
-        m: planes.split(raw, base, planes.MODES[m if base is not None else "none"]) for m in modes
-    }
+    """For each mode, its residual's byte planes (``split``), each stored the smallest way
+    it is allowed (``kinds`` per plane; every way if None): zstd, sparse, or raw when neither
+    gets below ``gain`` x its size. Returns (mode, total size, per plane (kind, body parts)).
+    All the compressions are one zstd call (one GIL release instead of one per plane: the
+    codec threads hand the GIL back and forth less)."""
+    modes = list(split)
     jobs: list[tuple[tuple[str, int, int], Buffer]] = []
     heads: dict[tuple[str, int], bytes] = {}
     for m in modes:
@@ -249,27 +266,54 @@ def encode_chunk(
     raw_v = np.frombuffer(raw, dtype=uint)
     base_v = None if base is None else np.frombuffer(base, dtype=uint)
     modes = _TRY_MODES if base_v is not None else ("none",)
+
+    def residual(m: str, raw_v: np.ndarray, base_v: np.ndarray | None) -> np.ndarray:
+        return planes.split(raw_v, base_v, planes.MODES[m if base_v is not None else "none"])
+
+    def compacted(split: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        runs = _zero_runs(split)
+        return (split, None) if runs is None else (planes.compact(split, runs), runs)
+
     count = max(1, _SAMPLE_BYTES // itemsize)
     if len(raw_v) <= 2 * count:
         # small chunk: encode it every way and keep the smallest
-        tries = _pack_planes(raw_v, base_v, modes, level, None, 1.0)
+        split = {m: compacted(residual(m, raw_v, base_v)) for m in modes}
+        tries = _pack_planes({m: p for m, (p, _) in split.items()}, level, None, 1.0)
         mode, _, stored = min(tries, key=lambda t: t[1])
+        runs = split[mode][1]
     else:
         # large chunk: choose the mode and the planes worth compressing on a sample
         raw_s = _sample(raw_v, count)
         base_s = None if base_v is None else _sample(base_v, count)
-        trials = _pack_planes(raw_s, base_s, modes, level, None, _PLANE_GAIN)
+        trials = _pack_planes(
+            {m: residual(m, raw_s, base_s) for m in modes}, level, None, _PLANE_GAIN
+        )
         mode, _, chosen = min(trials, key=lambda t: t[1])
-        kinds = [kind for kind, _ in chosen]
-        [(_, _, stored)] = _pack_planes(raw_v, base_v, [mode], level, kinds, 1.0)
-    table: list[Buffer] = [struct.pack("<B", len(stored))]
-    table += [struct.pack("<BI", kind, _size(parts)) for kind, parts in stored]
-    payload = b"".join(table + [part for _, parts in stored for part in parts])
+        kinds: list[int] | None = [kind for kind, _ in chosen]
+        full, runs = compacted(residual(mode, raw_v, base_v))
+        if runs is not None:  # the kept elements' planes are denser: choose their kinds anew
+            kinds = None
+            if full.shape[1] > 2 * count:
+                [(_, _, chosen)] = _pack_planes(
+                    {mode: _sample(full, count)}, level, None, _PLANE_GAIN
+                )
+                kinds = [kind for kind, _ in chosen]
+        [(_, _, stored)] = _pack_planes({mode: full}, level, kinds, 1.0)
+    parts: list[Buffer] = []
+    layers = f"{mode}/1"
+    if runs is not None:
+        frame = _cctx(level).compress(runs.astype("<u4").tobytes())
+        parts += [_RUNS_HEAD.pack(len(runs) // 2, len(frame)), frame]
+        layers += "|runs/1"
+    parts.append(struct.pack("<B", len(stored)))
+    parts += [struct.pack("<BI", kind, _size(body)) for kind, body in stored]
+    parts += [part for _, body in stored for part in body]
+    payload = b"".join(parts)
     if len(payload) >= len(raw):
         return EncodedChunk(RAW, bytes(raw), digest)
     # planes/2 when a plane is sparse: readers of planes/1 only reject such chunks
     version = 2 if any(kind == _PLANE_SPARSE for kind, _ in stored) else 1
-    return EncodedChunk(f"{mode}/1|planes{len(stored)}/{version}|zstd/1", payload, digest)
+    return EncodedChunk(f"{layers}|planes{len(stored)}/{version}|zstd/1", payload, digest)
 
 
 def _equal(a: Buffer, b: Buffer) -> bool:
@@ -279,18 +323,51 @@ def _equal(a: Buffer, b: Buffer) -> bool:
     return len(x) == len(y) and np.array_equal(x[:4096], y[:4096]) and np.array_equal(x, y)
 
 
-def _parse_codec(codec: str, itemsize: int) -> tuple[str, int]:
-    """The residual mode and the planes layer's version of a planes codec spec."""
+class _Link(NamedTuple):
+    """A planes payload, parsed and checked before anything is decoded."""
+
+    mode: int  # kernel mode
+    runs: np.ndarray | None  # (skip, length) pairs of the elements the planes hold
+    table: list[_Plane]
+
+
+def _parse_link(codec: str, payload: Buffer, itemsize: int, raw_len: int) -> _Link:
     parts = codec.split("|")
+    runs_layer = len(parts) == 4 and parts[1] == "runs/1"
+    if runs_layer:
+        del parts[1]
     if (
         len(parts) != 3
         or parts[0].split("/")[0] not in _MODES
         or parts[0].split("/")[1:] != ["1"]
         or parts[1] not in {f"planes{k}/{v}" for k in (itemsize, 1) for v in (1, 2)}
         or parts[2] != "zstd/1"
+        or raw_len % itemsize
     ):
         raise CorruptData(f"unknown codec spec {codec!r} for {itemsize}-byte items")
-    return parts[0].split("/")[0], int(parts[1][-1])
+    mode = planes.MODES[parts[0].split("/")[0]]
+    body = memoryview(payload)
+    runs = None
+    if runs_layer:
+        runs, body = _parse_runs(body, raw_len // itemsize)
+        raw_len = int(runs[1::2].sum()) * itemsize
+    return _Link(mode, runs, _plane_table(body, itemsize, raw_len, int(parts[1][-1])))
+
+
+def _parse_runs(payload: memoryview, n: int) -> tuple[np.ndarray, memoryview]:
+    """The checked runs of a runs layer over ``n`` elements, and the payload after them."""
+    if len(payload) < _RUNS_HEAD.size:
+        raise CorruptData("truncated runs header")
+    count, length = _RUNS_HEAD.unpack_from(payload)
+    frame = payload[_RUNS_HEAD.size : _RUNS_HEAD.size + length]
+    if not 0 < count <= n or not 0 < length == len(frame):
+        raise CorruptData(f"runs header ({count}, {length}) does not fit {n} elements")
+    [data] = _decompress_all([frame], [8 * count])
+    runs = np.frombuffer(data, "<u4").astype(np.int64)
+    skips, lengths = runs[0::2], runs[1::2]
+    if lengths.min() < 1 or (skips[1:] < 1).any() or runs.sum() > n:
+        raise CorruptData(f"runs do not fit {n} elements")
+    return runs, payload[_RUNS_HEAD.size + length :]
 
 
 def decode_chunk(
@@ -326,27 +403,29 @@ def decode_chain(
         raise CorruptData("a chunk's chain must start with a self-contained chunk")
     uint = planes.UINT[itemsize]
     codec, payload = links[0]
-    # every plane table is checked before anything is decoded
-    tables: list[tuple[int, list[_Plane]]] = []  # (kernel mode, planes)
+    # every link is parsed and checked before anything is decoded
+    parsed: list[_Link] = []
     if codec == RAW:
         if len(payload) != raw_len:
             raise CorruptData(f"raw chunk of {len(payload)} bytes, expected {raw_len}")
         values = np.frombuffer(bytearray(payload), dtype=uint)
     else:
-        _, version = _parse_codec(codec, itemsize)
+        parsed.append(_parse_link(codec, payload, itemsize, raw_len))
+        if parsed[0].mode != planes.MODES["none"]:
+            raise CorruptData(f"a chain cannot start with a {codec} chunk")
         values = np.empty(raw_len // itemsize, dtype=uint)
-        table = _plane_table(memoryview(payload), itemsize, raw_len, version)
-        tables.append((planes.MODES["none"], table))
     for codec, payload in links[1:]:
-        mode, version = _parse_codec(codec, itemsize)
-        if mode == "none" or not is_delta(codec):
+        link = _parse_link(codec, payload, itemsize, raw_len)
+        if link.mode == planes.MODES["none"] or not is_delta(codec):
             raise CorruptData(f"{codec} chunk in the middle of a chain")
-        table = _plane_table(memoryview(payload), itemsize, raw_len, version)
-        tables.append((planes.MODES[mode], table))
+        parsed.append(link)
     # a link's zstd frames in one call: one GIL release per link instead of one per plane,
     # with one link's planes in memory at a time
-    for link_mode, table in tables:
-        size = raw_len // len(table)
+    for link in parsed:
+        table = link.table
+        size = (raw_len if link.runs is None else int(link.runs[1::2].sum()) * itemsize) // len(
+            table
+        )
         framed = [p for p in table if p.kind != _PLANE_RAW and p.size]
         unpacked = iter(_decompress_all([p.body for p in framed], [p.size for p in framed]))
         bodies = []
@@ -364,7 +443,10 @@ def decode_chain(
             bodies.append(dense)
         if len(bodies) < itemsize:  # one plane holding the elements' bytes in order
             bodies = [np.ascontiguousarray(bodies[0][i::itemsize]) for i in range(itemsize)]
-        planes.join(bodies, values, link_mode)
+        if link.runs is None:
+            planes.join(bodies, values, link.mode)
+        else:
+            planes.join_runs(bodies, link.runs, values, link.mode)
     out = values.tobytes()
     if len(out) != raw_len:
         raise CorruptData(f"chunk decoded to {len(out)} bytes, expected {raw_len}")

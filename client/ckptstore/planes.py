@@ -26,8 +26,14 @@ __all__ = [
     "FUSED",
     "MODES",
     "UINT",
+    "compact",
+    "compact_numpy",
+    "element_runs",
+    "element_runs_numpy",
     "join",
     "join_numpy",
+    "join_runs",
+    "join_runs_numpy",
     "round_bf16",
     "round_bf16_numpy",
     "sparse_pack",
@@ -132,6 +138,36 @@ def sparse_unpack_numpy(stream: np.ndarray, count: int, out: np.ndarray) -> bool
     out[:] = 0
     out[positions] = stream[gap_len:]
     return True
+
+
+def element_runs_numpy(mask: np.ndarray) -> np.ndarray:
+    edges = np.flatnonzero(np.diff(mask.astype(np.int8), prepend=0, append=0))
+    starts, ends = edges[0::2], edges[1::2]
+    skips = starts - np.concatenate(([0], ends[:-1]))
+    return np.stack([skips, ends - starts], axis=1).reshape(-1).astype(np.int64)
+
+
+def _run_mask(runs: np.ndarray, n: int) -> np.ndarray:
+    skips, lengths = runs[0::2], runs[1::2]
+    ends = np.cumsum(skips + lengths)
+    mask = np.zeros(n, bool)
+    for start, end in zip(ends - lengths, ends, strict=True):
+        mask[start:end] = True
+    return mask
+
+
+def compact_numpy(planes: np.ndarray, runs: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(planes[:, _run_mask(runs, planes.shape[1])])
+
+
+def join_runs_numpy(
+    planes: Sequence[np.ndarray], runs: np.ndarray, out: np.ndarray, mode: int
+) -> None:
+    mask = _run_mask(runs, len(out))
+    full = np.zeros((len(planes), len(out)), np.uint8)
+    for i, plane in enumerate(planes):
+        full[i, mask] = plane
+    join_numpy(list(full), out, mode)
 
 
 def round_bf16_numpy(values: np.ndarray) -> np.ndarray:
@@ -250,6 +286,81 @@ def _sparse_unpack_kernel(stream: Any, count: int, out: Any) -> bool:  # pragma:
     return j == count and gap == 0
 
 
+def _compact_kernel(planes: Any, runs: Any, out: Any) -> None:  # pragma: no cover - jit
+    for j in range(planes.shape[0]):
+        pos = 0
+        m = 0
+        for r in range(0, runs.shape[0], 2):
+            pos += runs[r]
+            length = runs[r + 1]
+            out[j, m : m + length] = planes[j, pos : pos + length]
+            pos += length
+            m += length
+
+
+def _join_runs_kernel(planes: Any, runs: Any, out: Any, mode: int) -> None:  # pragma: no cover
+    k = len(planes)
+    one = np.uint64(1)
+    zero = np.uint64(0)
+    pos = np.uint64(0)
+    m = np.uint64(0)
+    # unsigned offsets spare numba's negative-index checks: the element loops vectorize
+    for r in range(0, runs.shape[0], 2):
+        skip = np.uint64(runs[r])
+        length = np.uint64(runs[r + 1])
+        if mode == 0:
+            out[pos : pos + skip] = 0
+        pos += skip
+        if mode == 0:
+            for t in range(length):
+                v = zero
+                for j in range(k):
+                    v |= np.uint64(planes[j][m + t]) << np.uint64(8 * j)
+                out[pos + t] = v
+        elif mode == 3:
+            for t in range(length):
+                v = zero
+                for j in range(k):
+                    v |= np.uint64(planes[j][m + t]) << np.uint64(8 * j)
+                out[pos + t] ^= v
+        elif mode == 1:
+            for t in range(length):
+                v = zero
+                for j in range(k):
+                    v |= np.uint64(planes[j][m + t]) << np.uint64(8 * j)
+                out[pos + t] += v
+        else:
+            for t in range(length):
+                v = zero
+                for j in range(k):
+                    v |= np.uint64(planes[j][m + t]) << np.uint64(8 * j)
+                out[pos + t] += (v >> one) ^ (zero - (v & one))
+        pos += length
+        m += length
+    if mode == 0:
+        out[pos:] = 0
+
+
+def _runs_kernel(mask: Any) -> Any:  # pragma: no cover - jit
+    n = mask.shape[0]
+    count = np.int64(mask[0]) if n else 0
+    for i in range(1, n):  # starts of runs: vectorizes
+        count += mask[i] > mask[i - 1]
+    runs = np.empty(2 * count, np.int64)
+    i = 0
+    end = 0
+    for r in range(0, 2 * count, 2):
+        while not mask[i]:
+            i += 1
+        start = i
+        while i < n and mask[i]:
+            i += 1
+        runs[r] = start - end
+        runs[r + 1] = i - start
+        end = i
+    return runs
+
+
 def _bf16_kernel(values: Any, out: Any) -> None:  # pragma: no cover - jit
     for i in range(values.shape[0]):
         v = values[i]
@@ -274,6 +385,9 @@ def _compile() -> tuple[Callable[..., Any], ...] | None:
         _bf16_kernel,
         _sparse_pack_kernel,
         _sparse_unpack_kernel,
+        _runs_kernel,
+        _compact_kernel,
+        _join_runs_kernel,
     )
     try:
         return tuple(jit(k, True) for k in kernels)
@@ -342,6 +456,35 @@ def sparse_unpack(stream: np.ndarray, count: int, out: np.ndarray) -> bool:
     return bool(_KERNELS[4](_readonly(stream), count, out))
 
 
+def element_runs(mask: np.ndarray) -> np.ndarray:
+    """The runs of true elements of the bool array ``mask``, as int64 pairs ``(skip,
+    length)``: ``skip`` false elements, then ``length`` true ones (trailing false elements
+    are implied)."""
+    if _KERNELS is None:
+        return element_runs_numpy(mask)
+    runs: np.ndarray = _KERNELS[5](_readonly(mask))
+    return runs
+
+
+def compact(planes: np.ndarray, runs: np.ndarray) -> np.ndarray:
+    """The columns of the ``(itemsize, n)`` planes that ``runs`` cover, back to back."""
+    if _KERNELS is None:
+        return compact_numpy(planes, runs)
+    out = np.empty((planes.shape[0], int(runs[1::2].sum())), np.uint8)
+    _KERNELS[6](_readonly(planes), _readonly(runs), out)
+    return out
+
+
+def join_runs(planes: Sequence[np.ndarray], runs: np.ndarray, out: np.ndarray, mode: int) -> None:
+    """:func:`join` of planes that hold only the elements ``runs`` cover: the others have a
+    zero residual (left as they are; set to zero in mode ``none``). ``runs`` must fit ``out``
+    and the planes (the codec checks them)."""
+    if _KERNELS is None:
+        join_runs_numpy(planes, runs, out, mode)
+        return
+    _KERNELS[7](tuple(_readonly(p) for p in planes), _readonly(runs), out, mode)
+
+
 def warm_up() -> None:
     """Compile (or load from the on-disk cache) the kernels for every element size now, so
     the first save or load does not pay for it."""
@@ -349,6 +492,8 @@ def warm_up() -> None:
         raw = np.zeros(8, dtype=uint)
         planes = split(raw, raw, MODES["zsub"])
         join(list(planes), raw.copy(), MODES["zsub"])
+        runs = element_runs(np.asarray(planes.any(axis=0)))
+        join_runs(list(compact(planes, runs)), runs, raw.copy(), MODES["zsub"])
     round_bf16(np.zeros(8, np.uint32))
     count, stream = sparse_pack(np.zeros(8, np.uint8))
     sparse_unpack(stream, count, np.empty(8, np.uint8))

@@ -194,13 +194,33 @@ def test_mostly_zero_planes_are_stored_sparse() -> None:
     enc = encode_chunk(moved.tobytes(), w.tobytes(), 4)
     kinds = [struct.unpack_from("<BI", enc.payload, 1 + 5 * i)[0] for i in range(4)]
     assert kinds == [0, 0, 2, 2]  # low bytes raw (noise), high bytes sparse
-    # a residual that is zero but for one element: four sparse planes of one value each
-    one = w.copy()
-    one[12345] = 1.0
-    tiny = encode_chunk(one.tobytes(), w.tobytes(), 4)
-    assert [struct.unpack_from("<BI", tiny.payload, 1 + 5 * i)[0] for i in range(4)] == [2] * 4
-    assert len(tiny.payload) < 150
-    assert roundtrip(one.tobytes(), w.tobytes(), 4).endswith("/2|zstd/1")
+    # a residual that is zero but for a row of elements: those elements only, in runs
+    row = w.copy()
+    row[4096:4352] += np.float32(0.5)
+    enc = encode_chunk(row.tobytes(), w.tobytes(), 4)
+    assert enc.codec.startswith("zsub/1|runs/1|planes4/")
+    assert len(enc.payload) < 1200  # 256 elements, not 1M
+    assert roundtrip(row.tobytes(), w.tobytes(), 4) == enc.codec
+
+
+def test_zero_runs_leave_out_untouched_rows() -> None:
+    # fine-tuning moves the rows of the tokens it sees; the others keep a zero residual
+    local = np.random.default_rng(2)
+    table = local.standard_normal((4096, 256)).astype(np.float32)
+    moved = table.copy()
+    seen = local.random(4096) < 0.3
+    moved[seen] += local.standard_normal((int(seen.sum()), 256)).astype(np.float32) * 1e-3
+    codec = roundtrip(moved.tobytes(), table.tobytes(), 4)
+    assert codec.startswith("zsub/1|runs/1|")
+    with_runs = encode_chunk(moved.tobytes(), table.tobytes(), 4)
+    # the kept elements' planes: about 30% of the chunk
+    assert len(with_runs.payload) < 0.3 * 0.75 * len(moved.tobytes())
+    # zeros as a keyframe (Adam moments of rows never seen) are left out too
+    moments = np.where(seen[:, None], table, 0).astype(np.float32)
+    assert roundtrip(moments.tobytes(), None, 4).startswith("none/1|runs/1|")
+    # zeros scattered one by one are not worth runs
+    scattered = np.where(local.random(table.shape) < 0.5, table, 0).astype(np.float32)
+    assert "runs" not in roundtrip(scattered.tobytes(), None, 4)
 
 
 def _sparse_payload(count: int, gap_len: int, stream: bytes) -> bytes:
@@ -233,3 +253,42 @@ def test_sparse_planes_need_the_planes_2_spec() -> None:
     assert decode_chunk("none/1|planes1/2|zstd/1", payload, None, 4, 16, checksum(raw)) == raw
     with pytest.raises(CorruptData):  # planes/1 readers know raw and zstd planes only
         decode_chunk("none/1|planes1/1|zstd/1", payload, None, 4, 16, checksum(raw))
+
+
+def _runs_payload(runs: list[int], planes_payload: bytes, count: int | None = None) -> bytes:
+    frame = zstandard.ZstdCompressor().compress(np.array(runs, "<u4").tobytes())
+    pairs = len(runs) // 2 if count is None else count
+    return struct.pack("<II", pairs, len(frame)) + frame + planes_payload
+
+
+def _raw_plane(data: bytes) -> bytes:
+    return struct.pack("<B", 1) + struct.pack("<BI", 0, len(data)) + data
+
+
+def test_runs_layers_decode() -> None:
+    # 16 fp32 elements, elements 2-3 and 10 set: runs (2, 2) (6, 1)
+    values = np.zeros(16, np.float32)
+    values[[2, 3, 10]] = [1.0, 2.0, 3.0]
+    payload = _runs_payload([2, 2, 6, 1], _raw_plane(values[[2, 3, 10]].tobytes()))
+    raw = values.tobytes()
+    spec = "none/1|runs/1|planes1/1|zstd/1"
+    assert decode_chunk(spec, payload, None, 4, 64, checksum(raw)) == raw
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        _runs_payload([2, 2, 6, 1], _raw_plane(bytes(12)), count=0),  # no runs
+        _runs_payload([2, 2, 6, 1], _raw_plane(bytes(12)), count=3),  # count and frame differ
+        _runs_payload([2, 0, 6, 1], _raw_plane(bytes(4))),  # an empty run
+        _runs_payload([2, 2, 0, 1], _raw_plane(bytes(12))),  # two runs that touch
+        _runs_payload([2, 2, 16, 1], _raw_plane(bytes(12))),  # past the last element
+        _runs_payload([2, 2, 6, 1], _raw_plane(bytes(8))),  # planes hold fewer elements
+        _runs_payload([2, 2, 6, 1], b""),  # no planes at all
+        struct.pack("<II", 1, 50) + b"short",  # truncated frame
+        b"\x01\x00",  # truncated header
+    ],
+)
+def test_forged_runs_are_corrupt_data(payload: bytes) -> None:
+    with pytest.raises(CorruptData):
+        decode_chunk("none/1|runs/1|planes1/1|zstd/1", payload, None, 4, 64, b"\0" * 16)

@@ -172,3 +172,34 @@ def test_malformed_sparse_streams_are_rejected(stream: list[int], count: int, n:
     data = np.array(stream, np.uint8)
     for unpack in (planes.sparse_unpack, planes.sparse_unpack_numpy):
         assert not unpack(data, count, np.empty(n, np.uint8)), unpack.__name__
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    itemsize=st.sampled_from([1, 2, 4, 8]),
+    n=st.integers(0, 1500),
+    row=st.integers(1, 300),
+    share=st.floats(0, 1),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_runs_kernels_match_the_numpy_reference(
+    itemsize: int, n: int, row: int, share: float, seed: int
+) -> None:
+    # rows of elements with a zero residual (untouched embedding rows) among others
+    rng = np.random.default_rng(seed)
+    rows = np.repeat(rng.random(n // row + 1) < share, row)[:n]
+    residual = (rng.integers(0, 256, (itemsize, n)) * rows).astype(np.uint8)
+    mask = residual.any(axis=0)
+    runs = planes.element_runs(mask)
+    assert np.array_equal(runs, planes.element_runs_numpy(mask))
+    assert int(runs[1::2].sum()) == int(mask.sum())
+    kept = planes.compact(residual, runs)
+    assert np.array_equal(kept, planes.compact_numpy(residual, runs))
+    base = rng.integers(0, 256, n * itemsize).astype(np.uint8).view(UINT[itemsize])
+    for mode in planes.MODES.values():
+        expected = base.copy()
+        planes.join(list(residual), expected, mode)  # the full planes, zeros included
+        for join_runs in (planes.join_runs, planes.join_runs_numpy):
+            out = base.copy()
+            join_runs(list(kept), runs, out, mode)
+            assert np.array_equal(out, expected), (join_runs.__name__, mode)
