@@ -270,17 +270,14 @@ def encode_chunk(
     def residual(m: str, raw_v: np.ndarray, base_v: np.ndarray | None) -> np.ndarray:
         return planes.split(raw_v, base_v, planes.MODES[m if base_v is not None else "none"])
 
-    def compacted(split: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        runs = _zero_runs(split)
-        return (split, None) if runs is None else (planes.compact(split, runs), runs)
-
     count = max(1, _SAMPLE_BYTES // itemsize)
     if len(raw_v) <= 2 * count:
-        # small chunk: encode it every way and keep the smallest
-        split = {m: compacted(residual(m, raw_v, base_v)) for m in modes}
-        tries = _pack_planes({m: p for m, (p, _) in split.items()}, level, None, 1.0)
+        # small chunk: every mode, zstd or raw planes, the smallest kept (sparse planes and
+        # runs pay on large mostly-zero planes; here they would only cost time)
+        split = {m: residual(m, raw_v, base_v) for m in modes}
+        tries = _pack_planes(split, level, [_PLANE_ZSTD] * itemsize, 1.0)
         mode, _, stored = min(tries, key=lambda t: t[1])
-        runs = split[mode][1]
+        runs = None
     else:
         # large chunk: choose the mode and the planes worth compressing on a sample
         raw_s = _sample(raw_v, count)
@@ -290,8 +287,10 @@ def encode_chunk(
         )
         mode, _, chosen = min(trials, key=lambda t: t[1])
         kinds: list[int] | None = [kind for kind, _ in chosen]
-        full, runs = compacted(residual(mode, raw_v, base_v))
+        full = residual(mode, raw_v, base_v)
+        runs = _zero_runs(full)
         if runs is not None:  # the kept elements' planes are denser: choose their kinds anew
+            full = planes.compact(full, runs)
             kinds = None
             if full.shape[1] > 2 * count:
                 [(_, _, chosen)] = _pack_planes(
