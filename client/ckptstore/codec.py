@@ -381,17 +381,19 @@ def decode_chunk(
     if codec == REF:
         if base is None:
             raise CorruptData("ref chunk without a base")
-        return decode_chain([(RAW, base)], itemsize, raw_len, expected)
-    if is_delta(codec):
+        links = [(RAW, base)]
+    elif is_delta(codec):
         if base is None:
             raise CorruptData(f"{codec} chunk without a base")
-        return decode_chain([(RAW, base), (codec, payload)], itemsize, raw_len, expected)
-    return decode_chain([(codec, payload)], itemsize, raw_len, expected)
+        links = [(RAW, base), (codec, payload)]
+    else:
+        links = [(codec, payload)]
+    return bytes(decode_chain(links, itemsize, raw_len, expected))
 
 
 def decode_chain(
     links: Sequence[tuple[str, Buffer]], itemsize: int, raw_len: int, expected: bytes
-) -> bytes:
+) -> memoryview:
     """Decode a chunk from its chain: ``links`` are ``(codec, payload)`` pairs, the first one
     self-contained (``none``/``raw``), each next one a delta on the result so far.
 
@@ -446,7 +448,7 @@ def decode_chain(
             planes.join(bodies, values, link.mode)
         else:
             planes.join_runs(bodies, link.runs, values, link.mode)
-    out = values.tobytes()
+    out = values.data.cast("B")  # the decoded array itself, not a copy of it
     if len(out) != raw_len:
         raise CorruptData(f"chunk decoded to {len(out)} bytes, expected {raw_len}")
     if checksum(out) != expected:

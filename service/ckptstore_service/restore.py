@@ -33,6 +33,7 @@ from ckptstore_service.storage import BlobStore, Buffer
 __all__ = ["CHECKSUMS_KEY", "Restore", "materialize", "open_restore"]
 
 CHECKSUMS_KEY = "ckptstore.xxh3_128"
+Piece = bytes | memoryview  # decoded data: chunks are sent as the arrays they were decoded in
 _READ_BYTES = 4 << 20
 _SEND_BYTES = 1 << 20
 _MAX_AHEAD = 256  # chunks decoded ahead, whatever their size (each costs a future)
@@ -43,7 +44,7 @@ log = logging.getLogger("ckptstore")
 class Restore:
     info: CheckpointInfo
     total_len: int
-    body: Iterator[bytes]
+    body: Iterator[Piece]
 
 
 def open_restore(rt: Runtime, run: str, step: int | None, prefix: str | None) -> Restore:
@@ -56,7 +57,7 @@ def open_restore(rt: Runtime, run: str, step: int | None, prefix: str | None) ->
     metadata[CHECKSUMS_KEY] = json.dumps({t.name: t.checksum.hex() for t in tensors})
     prefix_bytes, header = encode_header([(t.name, t.dtype, t.shape) for t in tensors], metadata)
 
-    def body() -> Iterator[bytes]:
+    def body() -> Iterator[Piece]:
         t0 = time.perf_counter()
         stats = _Stats()
         data = _verified(tensors, _data(rt, info, tensors, stats))
@@ -89,7 +90,7 @@ def materialize(rt: Runtime, info: CheckpointInfo, path: Path) -> None:
         os.close(fd)
 
 
-def _fill_cache(rt: Runtime, info: CheckpointInfo, data: Iterator[bytes]) -> Iterator[bytes]:
+def _fill_cache(rt: Runtime, info: CheckpointInfo, data: Iterator[Piece]) -> Iterator[Piece]:
     """Pass the decoded data through, keeping a copy as the run's base cache if it is the
     latest: a cache miss (a restart, another replica's save) then costs one decode, not one
     per GET of ``latest`` plus another one at the run's next save."""
@@ -114,9 +115,9 @@ def _fill_cache(rt: Runtime, info: CheckpointInfo, data: Iterator[bytes]) -> Ite
             rt.cache.discard(tmp)
 
 
-def _coalesced(first: bytes, pieces: Iterator[bytes]) -> Iterator[bytes]:
+def _coalesced(first: bytes, pieces: Iterator[Piece]) -> Iterator[Piece]:
     """Join small pieces into ~1 MiB writes: each piece costs a thread hop and a send."""
-    batch = [first]
+    batch: list[Piece] = [first]
     size = len(first)
     for piece in pieces:
         if size and size + len(piece) > _SEND_BYTES:
@@ -128,7 +129,7 @@ def _coalesced(first: bytes, pieces: Iterator[bytes]) -> Iterator[bytes]:
         yield batch[0] if len(batch) == 1 else b"".join(batch)
 
 
-def _verified(tensors: list[TensorInfo], pieces: Iterator[tuple[int, bytes]]) -> Iterator[bytes]:
+def _verified(tensors: list[TensorInfo], pieces: Iterator[tuple[int, Piece]]) -> Iterator[Piece]:
     """Pass the pieces through, checking each tensor's whole checksum when it ends."""
     by_idx = {t.idx: t for t in tensors}
     current: TensorInfo | None = None
@@ -163,7 +164,7 @@ class _Stats:
 
 def _data(
     rt: Runtime, info: CheckpointInfo, tensors: list[TensorInfo], stats: _Stats | None = None
-) -> Iterator[tuple[int, bytes]]:
+) -> Iterator[tuple[int, Piece]]:
     stats = stats or _Stats()
     fd = rt.cache.open(info.run, info.id)
     if fd is not None:
@@ -172,7 +173,7 @@ def _data(
     return _from_storage(rt, info, tensors, stats)
 
 
-def _from_cache(fd: int, tensors: list[TensorInfo]) -> Iterator[tuple[int, bytes]]:
+def _from_cache(fd: int, tensors: list[TensorInfo]) -> Iterator[tuple[int, Piece]]:
     try:
         for t in tensors:
             for off in range(0, t.nbytes, _READ_BYTES):
@@ -187,7 +188,7 @@ def _from_cache(fd: int, tensors: list[TensorInfo]) -> Iterator[tuple[int, bytes
 
 def _from_storage(
     rt: Runtime, info: CheckpointInfo, tensors: list[TensorInfo], stats: _Stats
-) -> Iterator[tuple[int, bytes]]:
+) -> Iterator[tuple[int, Piece]]:
     wanted = {t.idx for t in tensors}
     chunks = [c for c in rt.catalog.chunks(info.id) if c.tensor_idx in wanted]
     closure = rt.catalog.chunk_closure(chunks)
@@ -216,7 +217,7 @@ def _from_storage(
             c = resolve(closure[c.base_id])
         return deltas, c
 
-    def decode(c: ChunkInfo) -> bytes:
+    def decode(c: ChunkInfo) -> Piece:
         """The raw bytes of ``c``: its chain back to a self-contained chunk, or to a chunk
         predicted from an fp32 master (decoded first, then cast), decoded forward."""
         deltas, c = chain(c)
@@ -249,11 +250,11 @@ def _from_storage(
         if codec.split_cast(bottom.codec) is not None:
             assert bottom.base_id is not None
             masters.add(resolve(closure[bottom.base_id]).id)
-    kept: dict[int, bytes] = {}
+    kept: dict[int, Piece] = {}
     kept_lock = threading.Lock()
     keep_budget = 2 * rt.in_flight * rt.settings.chunk_bytes
 
-    def decode_and_keep(c: ChunkInfo) -> bytes:
+    def decode_and_keep(c: ChunkInfo) -> Piece:
         out = decode(c)
         resolved = resolve(c).id
         if resolved in masters:
@@ -266,7 +267,7 @@ def _from_storage(
     # chunks: a state has hundreds of small tensors, and a count that keeps the codec threads
     # busy on 4 MiB chunks lets them run dry on small ones while the sender works.
     budget = rt.in_flight * rt.settings.chunk_bytes
-    pending: deque[tuple[int, int, Future[bytes]]] = deque()
+    pending: deque[tuple[int, int, Future[Piece]]] = deque()
     queued = 0
     try:
         for c in chunks:
