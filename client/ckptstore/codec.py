@@ -206,12 +206,14 @@ def _pack_planes(
             kind = None if kinds is None else kinds[i]
             if kind in (None, _PLANE_ZSTD):
                 jobs.append(((m, i, _PLANE_ZSTD), plane.data))
-            if kind in (None, _PLANE_SPARSE):
+            # sparse is tried on planes that are at least half zero bytes
+            if kind == _PLANE_SPARSE or (
+                kind is None and 2 * np.count_nonzero(plane) <= len(plane)
+            ):
                 count, stream = planes.sparse_pack(plane)
-                if kind == _PLANE_SPARSE or 2 * count <= len(plane):
-                    heads[m, i] = _SPARSE_HEAD.pack(count, len(stream) - count)
-                    if count:
-                        jobs.append(((m, i, _PLANE_SPARSE), stream.data))
+                heads[m, i] = _SPARSE_HEAD.pack(count, len(stream) - count)
+                if count:
+                    jobs.append(((m, i, _PLANE_SPARSE), stream.data))
     packed: dict[tuple[str, int, int], Buffer] = {}
     if jobs:
         frames = _cctx(level).multi_compress_to_buffer([data for _, data in jobs])

@@ -242,25 +242,26 @@ def _sparse_pack_kernel(plane: Any) -> Any:  # pragma: no cover - jit
     count = 0
     for i in range(n):
         count += plane[i] != 0
+    where = np.empty(count + 1, np.int64)
+    c = 0
+    for i in range(n):  # branch-free: always store, advance past nonzero bytes only
+        where[c] = i
+        c += plane[i] != 0
     # gap bytes: one per nonzero, plus one 255 per 255 zeros in a row (at most n // 255)
     stream = np.empty(2 * count + n // 255 + 1, np.uint8)
-    values = np.empty(count, np.uint8)
     g = 0
-    j = 0
     last = -1
-    for i in range(n):
-        if plane[i] != 0:
-            gap = i - last - 1
-            while gap >= 255:
-                stream[g] = 255
-                g += 1
-                gap -= 255
-            stream[g] = gap
+    for t in range(count):
+        gap = where[t] - last - 1
+        while gap >= 255:
+            stream[g] = 255
             g += 1
-            values[j] = plane[i]
-            j += 1
-            last = i
-    stream[g : g + count] = values
+            gap -= 255
+        stream[g] = gap
+        g += 1
+        last = where[t]
+    for t in range(count):
+        stream[g + t] = plane[where[t]]
     return count, stream[: g + count]
 
 
