@@ -328,7 +328,7 @@ class _Link(NamedTuple):
     """A planes payload, parsed and checked before anything is decoded."""
 
     mode: int  # kernel mode
-    runs: np.ndarray | None  # (skip, length) pairs of the elements the planes hold
+    runs: np.ndarray | None  # u32 (skip, length) pairs of the elements the planes hold
     table: list[_Plane]
 
 
@@ -351,22 +351,24 @@ def _parse_link(codec: str, payload: Buffer, itemsize: int, raw_len: int) -> _Li
     runs = None
     if runs_layer:
         runs, body = _parse_runs(body, raw_len // itemsize)
-        raw_len = int(runs[1::2].sum()) * itemsize
+        raw_len = int(runs[1::2].sum(dtype=np.int64)) * itemsize
     return _Link(mode, runs, _plane_table(body, itemsize, raw_len, int(parts[1][-1])))
 
 
 def _parse_runs(payload: memoryview, n: int) -> tuple[np.ndarray, memoryview]:
-    """The checked runs of a runs layer over ``n`` elements, and the payload after them."""
+    """The checked runs (u32 pairs) of a runs layer over ``n`` elements, and the payload
+    after them."""
     if len(payload) < _RUNS_HEAD.size:
         raise CorruptData("truncated runs header")
     count, length = _RUNS_HEAD.unpack_from(payload)
     frame = payload[_RUNS_HEAD.size : _RUNS_HEAD.size + length]
-    if not 0 < count <= n or not 0 < length == len(frame):
+    # runs are at least 1 long with gaps of at least 1 between them: at most (n + 1) // 2
+    if not 0 < count <= (n + 1) // 2 or not 0 < length == len(frame):
         raise CorruptData(f"runs header ({count}, {length}) does not fit {n} elements")
     [data] = _decompress_all([frame], [8 * count])
-    runs = np.frombuffer(data, "<u4").astype(np.int64)
+    runs = np.frombuffer(data, "<u4")
     skips, lengths = runs[0::2], runs[1::2]
-    if lengths.min() < 1 or (skips[1:] < 1).any() or runs.sum() > n:
+    if lengths.min() < 1 or (skips[1:] < 1).any() or runs.sum(dtype=np.int64) > n:
         raise CorruptData(f"runs do not fit {n} elements")
     return runs, payload[_RUNS_HEAD.size + length :]
 
@@ -404,6 +406,8 @@ def decode_chain(
     """
     if not links or is_delta(links[0][0]) or links[0][0] == REF:
         raise CorruptData("a chunk's chain must start with a self-contained chunk")
+    if raw_len % itemsize:
+        raise CorruptData(f"a chunk of {raw_len} bytes for {itemsize}-byte items")
     uint = planes.UINT[itemsize]
     codec, payload = links[0]
     # every link is parsed and checked before anything is decoded
@@ -426,9 +430,8 @@ def decode_chain(
     # with one link's planes in memory at a time
     for link in parsed:
         table = link.table
-        size = (raw_len if link.runs is None else int(link.runs[1::2].sum()) * itemsize) // len(
-            table
-        )
+        kept = raw_len if link.runs is None else int(link.runs[1::2].sum(dtype=np.int64)) * itemsize
+        size = kept // len(table)
         framed = [p for p in table if p.kind != _PLANE_RAW and p.size]
         unpacked = iter(_decompress_all([p.body for p in framed], [p.size for p in framed]))
         bodies = []
@@ -493,6 +496,8 @@ def _plane_table(payload: memoryview, itemsize: int, raw_len: int, version: int)
             table.append(_sparse_plane(i, body, n))
         else:
             table.append(_Plane(kind, body, n))
+    if pos != len(payload):
+        raise CorruptData(f"{len(payload) - pos} bytes after the last plane")
     return table
 
 
@@ -502,7 +507,12 @@ def _sparse_plane(i: int, body: memoryview, n: int) -> _Plane:
     count, gap_len = _SPARSE_HEAD.unpack_from(body)
     frame = body[_SPARSE_HEAD.size :]
     # each nonzero byte has one gap byte, plus one 255 per 255 zeros skipped: bounded by n
-    if count > n or not count <= gap_len <= count + n // 255 or bool(count) != bool(frame):
+    if (
+        count > n
+        or not count <= gap_len <= count + n // 255
+        or bool(count) != bool(frame)
+        or (count == 0 and gap_len)
+    ):
         raise CorruptData(f"plane {i}: sparse header ({count}, {gap_len}) does not fit {n} bytes")
     return _Plane(_PLANE_SPARSE, frame, gap_len + count, count)
 

@@ -144,11 +144,11 @@ def element_runs_numpy(mask: np.ndarray) -> np.ndarray:
     edges = np.flatnonzero(np.diff(mask.astype(np.int8), prepend=0, append=0))
     starts, ends = edges[0::2], edges[1::2]
     skips = starts - np.concatenate(([0], ends[:-1]))
-    return np.stack([skips, ends - starts], axis=1).reshape(-1).astype(np.int64)
+    return np.stack([skips, ends - starts], axis=1).reshape(-1).astype(np.uint32)
 
 
 def _run_mask(runs: np.ndarray, n: int) -> np.ndarray:
-    skips, lengths = runs[0::2], runs[1::2]
+    skips, lengths = runs[0::2].astype(np.int64), runs[1::2].astype(np.int64)
     ends = np.cumsum(skips + lengths)
     mask = np.zeros(n, bool)
     for start, end in zip(ends - lengths, ends, strict=True):
@@ -347,7 +347,7 @@ def _runs_kernel(mask: Any) -> Any:  # pragma: no cover - jit
     count = np.int64(mask[0]) if n else 0
     for i in range(1, n):  # starts of runs: vectorizes
         count += mask[i] > mask[i - 1]
-    runs = np.empty(2 * count, np.int64)
+    runs = np.empty(2 * count, np.uint32)
     i = 0
     end = 0
     for r in range(0, 2 * count, 2):
@@ -458,7 +458,7 @@ def sparse_unpack(stream: np.ndarray, count: int, out: np.ndarray) -> bool:
 
 
 def element_runs(mask: np.ndarray) -> np.ndarray:
-    """The runs of true elements of the bool array ``mask``, as int64 pairs ``(skip,
+    """The runs of true elements of the bool array ``mask``, as uint32 pairs ``(skip,
     length)``: ``skip`` false elements, then ``length`` true ones (trailing false elements
     are implied)."""
     if _KERNELS is None:
@@ -471,7 +471,7 @@ def compact(planes: np.ndarray, runs: np.ndarray) -> np.ndarray:
     """The columns of the ``(itemsize, n)`` planes that ``runs`` cover, back to back."""
     if _KERNELS is None:
         return compact_numpy(planes, runs)
-    out = np.empty((planes.shape[0], int(runs[1::2].sum())), np.uint8)
+    out = np.empty((planes.shape[0], int(runs[1::2].sum(dtype=np.int64))), np.uint8)
     _KERNELS[6](_readonly(planes), _readonly(runs), out)
     return out
 

@@ -239,12 +239,24 @@ def _sparse_payload(count: int, gap_len: int, stream: bytes) -> bytes:
         _sparse_payload(1, 500, bytes([255] * 499 + [0, 7])),  # more gap bytes than can be
         _sparse_payload(0, 0, bytes([1])),  # a frame for no values
         _sparse_payload(1, 1, b""),  # values and no frame
+        _sparse_payload(0, 3, b""),  # gap bytes for no values
         struct.pack("<B", 1) + struct.pack("<BI", 2, 3) + b"abc",  # truncated header
     ],
 )
 def test_forged_sparse_planes_are_corrupt_data(payload: bytes) -> None:
     with pytest.raises(CorruptData):
         decode_chunk("none/1|planes1/2|zstd/1", payload, None, 4, 16, b"\0" * 16)
+
+
+def test_a_sparse_plane_of_no_values_has_no_gaps() -> None:
+    # count 0 with gap bytes would pass the length bounds of a 4 KiB plane
+    with pytest.raises(CorruptData, match="sparse header"):
+        decode_chunk("none/1|planes1/2|zstd/1", _sparse_payload(0, 3, b""), None, 4, 4096, b"")
+
+
+def test_a_raw_chunk_of_partial_items_is_corrupt_data() -> None:
+    with pytest.raises(CorruptData):
+        decode_chunk("raw/1", b"abc", None, 2, 3, checksum(b"abc"))
 
 
 def test_sparse_planes_need_the_planes_2_spec() -> None:
@@ -285,6 +297,8 @@ def test_runs_layers_decode() -> None:
         _runs_payload([2, 2, 16, 1], _raw_plane(bytes(12))),  # past the last element
         _runs_payload([2, 2, 6, 1], _raw_plane(bytes(8))),  # planes hold fewer elements
         _runs_payload([2, 2, 6, 1], b""),  # no planes at all
+        _runs_payload([2, 2, 6, 1], _raw_plane(bytes(12)) + b"x"),  # bytes after the planes
+        _runs_payload([1, 1] * 9, _raw_plane(bytes(36))),  # more runs than 16 elements hold
         struct.pack("<II", 1, 50) + b"short",  # truncated frame
         b"\x01\x00",  # truncated header
     ],
