@@ -28,13 +28,16 @@ zipnn
 Each baseline checkpoint is an independent blob, so its "latest" and "deep" loads are the same
 operation (the last checkpoint) and are measured once. Every load is checked bit for bit
 against the state that was saved. Throughputs are raw tensor bytes per wall second, MB = 1e6.
-Loads are timed best of 3 (``--repeats``). A per-part breakdown (model, master, exp_avg,
+Timings on a shared machine drift, so every method is measured in two passes (``--passes``):
+all methods once, then all of them again, and each keeps its fastest save sequence and its
+fastest loads (every pass's totals are in the JSON). Loads are timed best of 3 per pass
+(``--repeats``). A per-part breakdown (model, master, exp_avg,
 exp_avg_sq, other) compares ckptstore (read from its SQLite catalog) with zipnn.
 
 Output: a table, a "targets" section (PASS/FAIL with figures), bench/out/results.json (all
 figures, per-checkpoint sizes, machine info, load averages) and bench/out/stored_bytes.png.
-The script reports; it never fails on a missed target (exit status 0). About 4 minutes on two
-idle cores (~2.1 GB peak memory); ``--quick`` (tiny models, same pipeline) about 45 seconds.
+The script reports; it never fails on a missed target (exit status 0). About 7 minutes on two
+idle cores (~2.1 GB peak memory); ``--quick`` (tiny models, one pass) about 45 seconds.
 Other work on the machine skews the timings; the load average is recorded next to them.
 """
 
@@ -173,6 +176,39 @@ def best_of(repeats: int, fn: Callable[[], State]) -> tuple[float, State]:
         out = fn()
         best = min(best, time.perf_counter() - t0)
     return best, out
+
+
+def measure(
+    method: str, run: str, ckpts: Checkpoints, workdir: Path, repeats: int
+) -> dict[str, Any]:
+    if method == CKPT:
+        return bench_ckptstore(run, ckpts, workdir, repeats)
+    if method == ZSTD1:
+        return bench_zstd(ckpts, 1, repeats)
+    if method == ZSTD2:
+        return bench_zstd(ckpts, 2, repeats)
+    if method == ZSTDF:
+        durable = workdir / f"{run}-zstd"
+        durable.mkdir(parents=True, exist_ok=True)
+        try:
+            return bench_zstd(ckpts, 1, repeats, durable)
+        finally:
+            shutil.rmtree(durable, ignore_errors=True)
+    return bench_zipnn(ckpts, repeats)
+
+
+def best_pass(tries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The pass with the fastest saves, with the fastest loads of any pass; every pass's
+    totals are kept alongside."""
+    best = dict(min(tries, key=lambda m: m["save_s"]))
+    for key in ("load_latest", "load_deep"):
+        fastest = min(tries, key=lambda m: m[f"{key}_s"])
+        best[f"{key}_s"], best[f"{key}_mb_s"] = fastest[f"{key}_s"], fastest[f"{key}_mb_s"]
+    best["passes"] = [
+        {k: m[k] for k in ("save_s", "load_latest_s", "load_deep_s", "loadavg_1m_after")}
+        for m in tries
+    ]
+    return best
 
 
 def summary(
@@ -648,12 +684,16 @@ def main() -> None:
     p.add_argument("--checkpoints", type=int, default=None, help="per run (default 9; quick 8)")
     p.add_argument("--every", type=int, default=25, help="optimizer steps between checkpoints")
     p.add_argument("--repeats", type=int, default=None, help="loads timed, best kept")
+    p.add_argument(
+        "--passes", type=int, default=None, help="passes over all methods, best kept (default 2)"
+    )
     args = p.parse_args()
 
     torch.set_num_threads(2)
     size = models.SIZES["quick" if args.quick else "full"]
     n_ckpt = args.checkpoints or (8 if args.quick else 9)
     repeats = args.repeats or (1 if args.quick else 3)
+    passes = args.passes or (1 if args.quick else 2)
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "machine": machine_info(),
@@ -663,6 +703,7 @@ def main() -> None:
             "checkpoints_per_run": n_ckpt,
             "every": args.every,
             "load_repeats": repeats,
+            "passes": passes,
             "mb": MB,
         },
         "runs": {},
@@ -691,24 +732,19 @@ def main() -> None:
                 "loss_last": sum(res.losses[-args.every :]) / args.every,
                 "methods": {},
             }
+            # every method in turn, then all of them again: a busy spell on the machine
+            # hits every method, and each keeps its best pass
+            tries: dict[str, list[dict[str, Any]]] = {method: [] for method in METHODS}
+            for n_pass in range(passes):
+                for method in METHODS:
+                    gc.collect()
+                    log(f"{name}: {method} (pass {n_pass + 1} of {passes})")
+                    m = measure(method, name, ckpts, workdir, repeats)
+                    # other work on the machine skews timings: keep a trace of it
+                    m["loadavg_1m_after"] = os.getloadavg()[0]
+                    tries[method].append(m)
             for method in METHODS:
-                gc.collect()
-                log(f"{name}: {method}")
-                if method == CKPT:
-                    m = bench_ckptstore(name, ckpts, workdir, repeats)
-                elif method == ZSTD1:
-                    m = bench_zstd(ckpts, 1, repeats)
-                elif method == ZSTD2:
-                    m = bench_zstd(ckpts, 2, repeats)
-                elif method == ZSTDF:
-                    durable = workdir / f"{name}-zstd"
-                    durable.mkdir(parents=True, exist_ok=True)
-                    m = bench_zstd(ckpts, 1, repeats, durable)
-                    shutil.rmtree(durable, ignore_errors=True)
-                else:
-                    m = bench_zipnn(ckpts, repeats)
-                # other work on the machine skews timings: keep a trace of it
-                m["loadavg_1m_after"] = os.getloadavg()[0]
+                m = best_pass(tries[method])
                 entry["methods"][method] = m
                 rows.append(row(name, method, sum(raw), m))
                 log("  " + rows[-1])
@@ -732,7 +768,8 @@ def main() -> None:
         f"load average {mi['loadavg_start'][0]:.1f} at start, {mi['loadavg_end'][0]:.1f} at end"
     )
     print(
-        f"{n_ckpt} checkpoints per run, one every {args.every} steps; loads best of {repeats}; "
+        f"{n_ckpt} checkpoints per run, one every {args.every} steps; best of {passes} passes "
+        f"over all methods; loads best of {repeats} per pass; "
         "MB = 1e6 bytes of raw tensors; 'load deep' = deepest chain checkpoint after a "
         "service restart (baselines: the same last checkpoint)"
     )
