@@ -14,15 +14,25 @@ parent checkpoint. The encoder tries:
 * ``none`` -- no delta;
 
 then splits the residual into byte planes (plane *i* holds byte *i* of every element, so the
-sign/exponent bytes of floats sit together) and compresses each plane with zstd, or stores the
-plane raw when it does not compress (the low mantissa bytes of trained floats are noise:
-compressing them wastes CPU). Mode and per-plane choices are made on a sample of the chunk, then
-the whole chunk is encoded once. If the result is not smaller than the input, the chunk is
-stored ``raw``.
+sign/exponent bytes of floats sit together) and stores each plane the smallest way: zstd;
+*sparse* (the nonzero bytes of a mostly-zero plane as a list, see
+:func:`ckptstore.planes.sparse_pack`, in one zstd frame: the top byte of a slowly moving
+weight's residual is nonzero in a few percent of the elements); or raw when neither pays (the
+low mantissa bytes of trained floats are noise: compressing them wastes CPU). When at least
+1/8 of the elements have a zero residual, in stretches, a *runs* layer lists the runs of the
+others and the planes hold only those (embedding rows that fine-tuning never touches). Mode and
+per-plane choices are made on a sample of the chunk, then the whole chunk is encoded once.
+Chunks under 64 KiB are never deltas (a restore decodes a delta's whole chain). If the result
+is not smaller than the input, the chunk is stored ``raw``.
 
-Codec specs are versioned strings recorded with every chunk, e.g. ``sub/1|planes4/1|zstd/1``.
-Payload of a planes codec: ``u8 count`` then per plane ``u8 kind (0 raw, 1 zstd), u32 length``
-(little-endian), then the plane payloads back to back.
+Codec specs are versioned strings recorded with every chunk, e.g. ``zsub/1|planes4/2|zstd/1``
+or ``zsub/1|runs/1|planes4/1|zstd/1``. Payload of a planes codec, all integers little-endian:
+
+* with ``runs/1`` first ``u32 count, u32 length`` and a zstd frame of ``count`` u32 pairs
+  ``(skip, length)``: skip that many elements (zero residual), then keep that many;
+* ``u8 count`` then per plane ``u8 kind, u32 length``, then the plane bodies back to back. Kind
+  0 is raw, 1 one zstd frame, 2 (``planes/2`` only) sparse: ``u32 nonzero, u32 gap bytes``
+  then one zstd frame of the gap bytes and the nonzero values (no frame if there are none).
 
 Every chunk carries the xxh3-128 of its raw bytes; :func:`decode_chunk` verifies it and raises
 :class:`~ckptstore.errors.CorruptData` on a mismatch. numpy + zstandard, no torch.

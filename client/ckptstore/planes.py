@@ -5,7 +5,9 @@ the modes) and returns it as a ``(itemsize, n)`` uint8 array whose row ``i`` hol
 every element. :func:`join` is its inverse: it reads the ``itemsize`` planes back as elements
 and applies them to ``out`` -- stores them (``none``), adds them (``sub``), adds their
 zigzag-decoded value (``zsub``) or XORs them (``xor``) -- so a chain of deltas decodes in place
-on one array.
+on one array. :func:`sparse_pack` / :func:`sparse_unpack` turn a mostly-zero plane into the
+list of its nonzero bytes and back; :func:`element_runs`, :func:`compact` and
+:func:`join_runs` leave out the elements whose residual is zero.
 
 Two implementations compute the same bytes. With numba installed (the ``server`` extra) each
 call is one fused pass, compiled on first use and cached on disk: residual and transposition in
