@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
 
+import numpy as np
 import xxhash
 
 from ckptstore.errors import (
@@ -325,7 +326,7 @@ class CheckpointClient:
 
     def _download(
         self, path: str, show: bool, desc: str
-    ) -> tuple[Header, builtins.list[bytearray]]:
+    ) -> tuple[Header, builtins.list[memoryview]]:
         conn, response = self._request("GET", path)
         try:
             if response.status >= 300:
@@ -337,8 +338,9 @@ class CheckpointClient:
                 bar.update(header.header_len)
                 buffers = []
                 for spec in header.tensors:
-                    buf = bytearray(spec.nbytes)
-                    _read_into(response, memoryview(buf), bar.update)
+                    # uninitialised: zero-filling what the socket overwrites cost ~10 ms/100 MB
+                    buf = np.empty(spec.nbytes, np.uint8).data
+                    _read_into(response, buf, bar.update)
                     buffers.append(buf)
             finally:
                 bar.close()
@@ -403,7 +405,7 @@ def _raise_for(status: int, data: bytes) -> None:
     raise error_from_code(code, message, status)
 
 
-def _verify(header: Header, buffers: builtins.list[bytearray]) -> None:
+def _verify(header: Header, buffers: builtins.list[memoryview]) -> None:
     """Check each tensor against the checksum the service recorded at save time."""
     raw = header.metadata.get(_CHECKSUMS_KEY)
     if raw is None:
