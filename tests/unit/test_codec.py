@@ -306,3 +306,25 @@ def test_runs_layers_decode() -> None:
 def test_forged_runs_are_corrupt_data(payload: bytes) -> None:
     with pytest.raises(CorruptData):
         decode_chunk("none/1|runs/1|planes1/1|zstd/1", payload, None, 4, 64, b"\0" * 16)
+
+
+def test_the_numpy_reference_decodes_and_encodes_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # without numba (a client-only install) every layer still round-trips, to the same bytes
+    from ckptstore import planes
+
+    local = np.random.default_rng(3)
+    table = local.standard_normal((2048, 256)).astype(np.float32)
+    moved = table.copy()
+    seen = local.random(2048) < 0.3
+    moved[seen] += local.standard_normal((int(seen.sum()), 256)).astype(np.float32) * 1e-3
+    drift = table + local.standard_normal(table.shape).astype(np.float32) * 1e-3
+    cases = [(moved, table), (drift, table), (table, None)]
+    fused = [encode_chunk(a.tobytes(), None if b is None else b.tobytes(), 4) for a, b in cases]
+    monkeypatch.setattr(planes, "_KERNELS", None)
+    for (a, b), enc in zip(cases, fused, strict=True):
+        base = None if b is None else b.tobytes()
+        assert encode_chunk(a.tobytes(), base, 4) == enc
+        assert decode_chunk(enc.codec, enc.payload, base, 4, a.nbytes, enc.checksum) == a.tobytes()
+    assert {c.codec.split("|")[1] for c in fused} >= {"runs/1", "planes4/2"}
