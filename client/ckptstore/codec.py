@@ -339,6 +339,7 @@ class _Link(NamedTuple):
 
     mode: int  # kernel mode
     runs: np.ndarray | None  # u32 (skip, length) pairs of the elements the planes hold
+    size: int  # bytes the planes hold: the chunk's, or those of the elements in runs
     table: list[_Plane]
 
 
@@ -362,7 +363,7 @@ def _parse_link(codec: str, payload: Buffer, itemsize: int, raw_len: int) -> _Li
     if runs_layer:
         runs, body = _parse_runs(body, raw_len // itemsize)
         raw_len = int(runs[1::2].sum(dtype=np.int64)) * itemsize
-    return _Link(mode, runs, _plane_table(body, itemsize, raw_len, int(parts[1][-1])))
+    return _Link(mode, runs, raw_len, _plane_table(body, itemsize, raw_len, int(parts[1][-1])))
 
 
 def _parse_runs(payload: memoryview, n: int) -> tuple[np.ndarray, memoryview]:
@@ -440,8 +441,7 @@ def decode_chain(
     # with one link's planes in memory at a time
     for link in parsed:
         table = link.table
-        kept = raw_len if link.runs is None else int(link.runs[1::2].sum(dtype=np.int64)) * itemsize
-        size = kept // len(table)
+        size = link.size // len(table)
         framed = [p for p in table if p.kind != _PLANE_RAW and p.size]
         unpacked = iter(_decompress_all([p.body for p in framed], [p.size for p in framed]))
         bodies = []
