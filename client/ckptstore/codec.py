@@ -11,14 +11,20 @@ parent checkpoint. The encoder tries:
   negative steps do not fill the high byte planes with 0xFF: 3-6% smaller than ``sub`` on
   weights in bench/ runs;
 * ``xor`` -- ``raw ^ base``;
-* ``none`` -- no delta;
+* ``scale`` (fp32 only) -- ``zsub`` against ``base`` times a factor the encoder finds in the
+  chunk (see :func:`ckptstore.planes.scale`): the rows of an embedding that saw no token
+  since the base only decayed (Adam's moments by 0.9 and 0.999 per step), which ``zsub``
+  leaves as a large residual and the scaled base predicts to within a few ulps;
+* ``none`` -- no delta; chosen unless a delta is at least 5% smaller (``DELTA_MIN_GAIN``):
+  every delta is one more link for each later restore of the chain to decode;
 
 then splits the residual into byte planes (plane *i* holds byte *i* of every element, so the
 sign/exponent bytes of floats sit together) and stores each plane the smallest way: zstd;
 *sparse* (the nonzero bytes of a mostly-zero plane as a list, see
 :func:`ckptstore.planes.sparse_pack`, in one zstd frame: the top byte of a slowly moving
 weight's residual is nonzero in a few percent of the elements); or raw when neither pays (the
-low mantissa bytes of trained floats are noise: compressing them wastes CPU). When at least
+low mantissa bytes of trained floats are noise: compressing them wastes CPU; a plane must
+shrink by 15%, or decoding it costs more than its bytes are worth). When at least
 1/8 of the elements have a zero residual, in stretches, a *runs* layer lists the runs of the
 others and the planes hold only those (embedding rows that fine-tuning never touches). Mode and
 per-plane choices are made on a sample of the chunk, then the whole chunk is encoded once.
@@ -26,11 +32,13 @@ Chunks under 64 KiB are never deltas (a restore decodes a delta's whole chain). 
 is not smaller than the input, the chunk is stored ``raw``.
 
 Codec specs are versioned strings recorded with every chunk, e.g. ``zsub/1|planes4/2|zstd/1``
-or ``zsub/1|runs/1|planes4/1|zstd/1``. Payload of a planes codec, all integers little-endian:
+or ``scale/1|zsub/1|runs/1|planes4/1|zstd/1``. Payload of a planes codec, all integers
+little-endian:
 
-* with ``runs/1`` first ``u32 count, u32 length`` and a zstd frame of ``count`` u32 pairs
+* with ``scale/1`` first the ``u32`` bit pattern of the factor, a normal fp32;
+* then, with ``runs/1``, ``u32 count, u32 length`` and a zstd frame of ``count`` u32 pairs
   ``(skip, length)``: skip that many elements (zero residual), then keep that many;
-* ``u8 count`` then per plane ``u8 kind, u32 length``, then the plane bodies back to back. Kind
+* then ``u8 count`` and per plane ``u8 kind, u32 length``, then the plane bodies back to back. Kind
   0 is raw, 1 one zstd frame, 2 (``planes/2`` only) sparse: ``u32 nonzero, u32 gap bytes``
   then one zstd frame of the gap bytes and the nonzero values (no frame if there are none).
 
@@ -81,15 +89,29 @@ _SPARSE_HEAD = struct.Struct("<II")
 # A runs layer: u32 count of runs, u32 length of one zstd frame of the runs as u32 pairs
 # (skip, length): the elements whose residual is zero are left out of the planes.
 _RUNS_HEAD = struct.Struct("<II")
+# A scale layer: u32 bit pattern of an fp32 factor; the residual is zsub against the base
+# times the factor (see planes.scale): the rows that only decay between two checkpoints.
+_SCALE = "scale"
+_SCALE_HEAD = struct.Struct("<I")
+# The factor must fit at least this share of a sample's nonzero finite elements (and 32 of
+# them), within this relative width.
+_SCALE_MIN_SHARE = 8
+_SCALE_WIDTH = 2.0**-19
+_SCALE_PROBE = 1024  # sample elements the factor is estimated on
+_SCALE_MIN_COUNT = 32
 _RUNS_MIN_SHARE = 8  # zero elements must be at least 1/8 of the chunk
 _RUNS_MIN_GAP = 16  # and come in stretches this long on average
 # A plane is stored raw unless zstd gets it below this fraction of its size.
-_PLANE_GAIN = 0.95
+_PLANE_GAIN = 0.85
 # Chunks above this size choose their mode and planes on a sample of this many bytes.
 _SAMPLE_BYTES = 32 << 10
 # Modes the encoder tries (plain ``sub`` rarely beats ``zsub``; it stays decodable).
 _TRY_MODES = ("none", "zsub", "xor")
 _SAMPLE_WINDOWS = 4
+#: A delta must be at least this much smaller than the chunk on its own: a restore decodes
+#: every link of a chain, and deltas that save a few percent (the Adam moments of a model
+#: trained from scratch) made up a third of a deep restore's work in bench/ runs.
+DELTA_MIN_GAIN = 0.05
 # Chunks below this size are stored whole, never as deltas: a restore walks a delta's whole
 # chain, one decode per link, and for a bias or a norm's weights that costs far more time
 # than the few bytes the delta saves (bench/: 0.1% of the bytes, half of the chain links).
@@ -105,7 +127,8 @@ class EncodedChunk:
 
 def is_delta(codec: str) -> bool:
     """Whether a chunk stored with ``codec`` is decoded from its base (``ref`` is not)."""
-    return codec.split("/")[0] in _MODES[1:]
+    head = codec.split("/")[0]
+    return head in _MODES[1:] or head == _SCALE
 
 
 def checksum(data: Buffer) -> bytes:
@@ -183,6 +206,31 @@ def _sample(arr: np.ndarray, count: int) -> np.ndarray:
     return np.concatenate(parts, axis=-1)
 
 
+def _scale_factor(raw: np.ndarray, base: np.ndarray) -> int | None:
+    """The bit pattern of an fp32 factor that maps at least 1/8 of ``base``'s elements
+    (``_SCALE_PROBE`` of them, fp32 bit patterns) onto ``raw``'s to within a few ulps, if
+    there is one: rows that only decayed since the base (weight decay on embedding rows that
+    saw no token, the Adam moments of those rows: 0.9**25 and 0.999**25 after 25 steps)."""
+    stride = max(1, len(raw) // _SCALE_PROBE)
+    r, b = raw[::stride].view("<f4"), base[::stride].view("<f4")
+    exp_mask = np.uint32(0x7F800000)
+    er, eb = raw[::stride] & exp_mask, base[::stride] & exp_mask
+    ok = (er != 0) & (er != exp_mask) & (eb != 0) & (eb != exp_mask)
+    q = np.sort(r[ok].astype(np.float64) / b[ok])
+    if len(q) < _SCALE_MIN_COUNT:
+        return None
+    # the densest window of ratios [q, q * (1 + width)]
+    counts = np.searchsorted(q, q * (1 + _SCALE_WIDTH), "right") - np.arange(len(q))
+    i = int(np.argmax(counts))
+    if counts[i] < max(_SCALE_MIN_COUNT, len(q) // _SCALE_MIN_SHARE):
+        return None
+    factor = np.float32(np.median(q[i : i + counts[i]]))
+    bits = int(np.array([factor], "<f4").view("<u4")[0])
+    if factor == 1 or not np.isfinite(factor) or not bits & 0x7F800000:
+        return None  # 1 is zsub; the factor must be a normal number
+    return bits
+
+
 def _zero_runs(split: np.ndarray) -> np.ndarray | None:
     """The runs of elements whose residual is nonzero, if leaving out the others pays: at
     least 1/8 of the elements are zero, in stretches of 16+ on average (the rows of an
@@ -197,12 +245,15 @@ def _zero_runs(split: np.ndarray) -> np.ndarray | None:
     return runs if len(runs) // 2 * _RUNS_MIN_GAP <= zeros else None
 
 
+_Packed = tuple[str, int, list[tuple[int, list[Buffer]]]]  # mode, size, (kind, body) per plane
+
+
 def _pack_planes(
     split: dict[str, np.ndarray],
     level: int,
     kinds: Sequence[int] | None,
     gain: float,
-) -> list[tuple[str, int, list[tuple[int, list[Buffer]]]]]:
+) -> list[_Packed]:
     """For each mode, its residual's byte planes (``split``), each stored the smallest way
     it is allowed (``kinds`` per plane; every way if None): zstd, sparse, or raw when neither
     gets below ``gain`` x its size. Returns (mode, total size, per plane (kind, body parts)).
@@ -248,18 +299,34 @@ def _pack_planes(
     return out
 
 
+def _best(tries: list[_Packed], min_gain: float) -> _Packed:
+    """The smallest of ``tries`` (mode ``none`` first), but ``none`` unless a delta is at
+    least ``min_gain`` smaller than it."""
+    best = min(tries, key=lambda t: t[1])
+    return best if best[1] <= (1 - min_gain) * tries[0][1] else tries[0]
+
+
 def _size(parts: Sequence[Buffer]) -> int:
     return sum(len(p) for p in parts)
 
 
 def encode_chunk(
-    raw: Buffer, base: Buffer | None, itemsize: int, level: int = 1, *, delta: bool = True
+    raw: Buffer,
+    base: Buffer | None,
+    itemsize: int,
+    level: int = 1,
+    *,
+    delta: bool = True,
+    min_gain: float = DELTA_MIN_GAIN,
 ) -> EncodedChunk:
     """Encode one chunk of a tensor with elements of ``itemsize`` bytes.
 
     ``base`` is the same chunk of the parent checkpoint (same length) or None. With
     ``delta=False`` the base is only used to detect an unchanged chunk (``ref``): a changed
-    chunk is then encoded on its own, which is how keyframes cut a chain.
+    chunk is then encoded on its own, which is how keyframes cut a chain. A delta is chosen
+    only where it is at least ``min_gain`` smaller than the chunk on its own (as estimated on
+    the sample): each delta is one more link that restoring this checkpoint or any later one
+    in its chain decodes.
     """
     digest = checksum(raw)
     if len(raw) % itemsize:
@@ -277,18 +344,30 @@ def encode_chunk(
     uint = planes.UINT[itemsize]
     raw_v = np.frombuffer(raw, dtype=uint)
     base_v = None if base is None else np.frombuffer(base, dtype=uint)
-    modes = _TRY_MODES if base_v is not None else ("none",)
+    modes: tuple[str, ...] = _TRY_MODES if base_v is not None else ("none",)
+    factor = None
 
     def residual(m: str, raw_v: np.ndarray, base_v: np.ndarray | None) -> np.ndarray:
-        return planes.split(raw_v, base_v, planes.MODES[m if base_v is not None else "none"])
+        if base_v is None:
+            return planes.split(raw_v, None, planes.MODES["none"])
+        if m == _SCALE:
+            assert factor is not None
+            predicted = base_v.copy()
+            planes.scale(predicted, factor)
+            return planes.split(raw_v, predicted, planes.MODES["zsub"])
+        return planes.split(raw_v, base_v, planes.MODES[m])
 
     count = max(1, _SAMPLE_BYTES // itemsize)
+    if itemsize == 4 and base_v is not None:
+        factor = _scale_factor(_sample(raw_v, count), _sample(base_v, count))
+        if factor is not None:
+            modes += (_SCALE,)
     if len(raw_v) <= 2 * count:
         # small chunk: every mode, zstd or raw planes, the smallest kept (sparse planes and
         # runs pay on large mostly-zero planes; here they would only cost time)
         split = {m: residual(m, raw_v, base_v) for m in modes}
         tries = _pack_planes(split, level, [_PLANE_ZSTD] * itemsize, 1.0)
-        mode, _, stored = min(tries, key=lambda t: t[1])
+        mode, _, stored = _best(tries, min_gain)
         runs = None
     else:
         # large chunk: choose the mode and the planes worth compressing on a sample
@@ -297,7 +376,7 @@ def encode_chunk(
         trials = _pack_planes(
             {m: residual(m, raw_s, base_s) for m in modes}, level, None, _PLANE_GAIN
         )
-        mode, _, chosen = min(trials, key=lambda t: t[1])
+        mode, _, chosen = _best(trials, min_gain)
         kinds: list[int] | None = [kind for kind, _ in chosen]
         full = residual(mode, raw_v, base_v)
         runs = _zero_runs(full)
@@ -312,6 +391,10 @@ def encode_chunk(
         [(_, _, stored)] = _pack_planes({mode: full}, level, kinds, 1.0)
     parts: list[Buffer] = []
     layers = f"{mode}/1"
+    if mode == _SCALE:
+        assert factor is not None
+        parts.append(_SCALE_HEAD.pack(factor))
+        layers = f"{_SCALE}/1|zsub/1"
     if runs is not None:
         frame = _cctx(level).compress(runs.astype("<u4").tobytes())
         parts += [_RUNS_HEAD.pack(len(runs) // 2, len(frame)), frame]
@@ -337,6 +420,7 @@ def _equal(a: Buffer, b: Buffer) -> bool:
 class _Link(NamedTuple):
     """A planes payload, parsed and checked before anything is decoded."""
 
+    scale: int | None  # fp32 factor (bits) the base is multiplied by first
     mode: int  # kernel mode
     runs: np.ndarray | None  # u32 (skip, length) pairs of the elements the planes hold
     size: int  # bytes the planes hold: the chunk's, or those of the elements in runs
@@ -345,6 +429,16 @@ class _Link(NamedTuple):
 
 def _parse_link(codec: str, payload: Buffer, itemsize: int, raw_len: int) -> _Link:
     parts = codec.split("|")
+    body = memoryview(payload)
+    scale = None
+    if parts[0] == f"{_SCALE}/1":
+        if itemsize != 4 or parts[1:2] != ["zsub/1"] or len(body) < _SCALE_HEAD.size:
+            raise CorruptData(f"unknown codec spec {codec!r} for {itemsize}-byte items")
+        (scale,) = _SCALE_HEAD.unpack_from(body)
+        if scale & 0x7F800000 in (0, 0x7F800000):
+            raise CorruptData(f"scale factor {scale:#x} is not a normal fp32")
+        del parts[0]
+        body = body[_SCALE_HEAD.size :]
     runs_layer = len(parts) == 4 and parts[1] == "runs/1"
     if runs_layer:
         del parts[1]
@@ -358,12 +452,12 @@ def _parse_link(codec: str, payload: Buffer, itemsize: int, raw_len: int) -> _Li
     ):
         raise CorruptData(f"unknown codec spec {codec!r} for {itemsize}-byte items")
     mode = planes.MODES[parts[0].split("/")[0]]
-    body = memoryview(payload)
     runs = None
     if runs_layer:
         runs, body = _parse_runs(body, raw_len // itemsize)
         raw_len = int(runs[1::2].sum(dtype=np.int64)) * itemsize
-    return _Link(mode, runs, raw_len, _plane_table(body, itemsize, raw_len, int(parts[1][-1])))
+    table = _plane_table(body, itemsize, raw_len, int(parts[1][-1]))
+    return _Link(scale, mode, runs, raw_len, table)
 
 
 def _parse_runs(payload: memoryview, n: int) -> tuple[np.ndarray, memoryview]:
@@ -459,6 +553,8 @@ def decode_chain(
             bodies.append(dense)
         if len(bodies) < itemsize:  # one plane holding the elements' bytes in order
             bodies = [np.ascontiguousarray(bodies[0][i::itemsize]) for i in range(itemsize)]
+        if link.scale is not None:
+            planes.scale(values, link.scale)
         if link.runs is None:
             planes.join(bodies, values, link.mode)
         else:

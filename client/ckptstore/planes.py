@@ -7,7 +7,8 @@ and applies them to ``out`` -- stores them (``none``), adds them (``sub``), adds
 zigzag-decoded value (``zsub``) or XORs them (``xor``) -- so a chain of deltas decodes in place
 on one array. :func:`sparse_pack` / :func:`sparse_unpack` turn a mostly-zero plane into the
 list of its nonzero bytes and back; :func:`element_runs`, :func:`compact` and
-:func:`join_runs` leave out the elements whose residual is zero.
+:func:`join_runs` leave out the elements whose residual is zero; :func:`scale` multiplies fp32
+values by a factor (the prediction of the ``scale`` mode).
 
 Two implementations compute the same bytes. With numba installed (the ``server`` extra) each
 call is one fused pass, compiled on first use and cached on disk: residual and transposition in
@@ -38,6 +39,8 @@ __all__ = [
     "join_runs_numpy",
     "round_bf16",
     "round_bf16_numpy",
+    "scale",
+    "scale_numpy",
     "sparse_pack",
     "sparse_pack_numpy",
     "sparse_unpack",
@@ -170,6 +173,20 @@ def join_runs_numpy(
     for i, plane in enumerate(planes):
         full[i, mask] = plane
     join_numpy(list(full), out, mode)
+
+
+_F32_MIN = np.float32(np.finfo(np.float32).tiny)  # smallest normal
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
+def scale_numpy(values: np.ndarray, factor: int) -> None:
+    f = values.view("<f4")
+    c = np.array([factor], np.uint32).view("<f4")[0]
+    with np.errstate(all="ignore"):
+        product = f * c
+        a, ap = np.abs(f), np.abs(product)
+        ok = (a >= _F32_MIN) & (a <= _F32_MAX) & (ap >= _F32_MIN) & (ap <= _F32_MAX)
+    np.copyto(f, product, where=ok)
 
 
 def round_bf16_numpy(values: np.ndarray) -> np.ndarray:
@@ -364,6 +381,17 @@ def _runs_kernel(mask: Any) -> Any:  # pragma: no cover - jit
     return runs
 
 
+def _scale_kernel(values: Any, factor: Any, lo: Any, hi: Any) -> None:  # pragma: no cover
+    for i in range(values.shape[0]):  # branch-free: vectorizes
+        x = values[i]
+        p = x * factor
+        a = abs(x)
+        b = abs(p)
+        # false for zero, subnormals, infinities and NaNs, of either
+        ok = (a >= lo) & (a <= hi) & (b >= lo) & (b <= hi)
+        values[i] = p if ok else x
+
+
 def _bf16_kernel(values: Any, out: Any) -> None:  # pragma: no cover - jit
     for i in range(values.shape[0]):
         v = values[i]
@@ -391,6 +419,7 @@ def _compile() -> tuple[Callable[..., Any], ...] | None:
         _runs_kernel,
         _compact_kernel,
         _join_runs_kernel,
+        _scale_kernel,
     )
     try:
         return tuple(jit(k, True) for k in kernels)
@@ -488,6 +517,19 @@ def join_runs(planes: Sequence[np.ndarray], runs: np.ndarray, out: np.ndarray, m
     _KERNELS[7](tuple(_readonly(p) for p in planes), _readonly(runs), out, mode)
 
 
+def scale(values: np.ndarray, factor: int) -> None:
+    """Multiply the fp32 bit patterns (uint32) ``values`` in place by the normal fp32 whose
+    bit pattern is ``factor``, each product rounded to nearest (IEEE). Elements that are, or
+    whose product would be, zero, subnormal, infinite or NaN stay as they are: the result
+    depends neither on flush-to-zero settings nor on NaN payloads. Only float arithmetic and
+    comparisons, no bit casts: the kernel sees a float view."""
+    if _KERNELS is None:
+        scale_numpy(values, factor)
+        return
+    c = np.array([factor], np.uint32).view("<f4")[0]
+    _KERNELS[8](values.view("<f4"), c, _F32_MIN, _F32_MAX)
+
+
 def warm_up() -> None:
     """Compile (or load from the on-disk cache) the kernels for every element size now, so
     the first save or load does not pay for it."""
@@ -498,5 +540,6 @@ def warm_up() -> None:
         runs = element_runs(np.asarray(planes.any(axis=0)))
         join_runs(list(compact(planes, runs)), runs, raw.copy(), MODES["zsub"])
     round_bf16(np.zeros(8, np.uint32))
+    scale(np.zeros(8, np.uint32), 0x3F800000)
     count, stream = sparse_pack(np.zeros(8, np.uint8))
     sparse_unpack(stream, count, np.empty(8, np.uint8))

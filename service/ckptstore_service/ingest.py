@@ -243,7 +243,8 @@ def _encode_job(
             written.set()  # also on failure: the ingest fails anyway, nobody must hang
     if predicted is not None:
         assert cast is not None
-        enc = codec.encode_chunk(raw.data, predicted, itemsize, level)
+        # a delta on the prediction adds no chain link: every gain counts
+        enc = codec.encode_chunk(raw.data, predicted, itemsize, level, min_gain=0.0)
         if enc.codec == codec.REF or codec.is_delta(enc.codec):
             return replace(enc, codec=f"{codec.CASTS[cast.dtype]}|{enc.codec}")
         # the copy is not a rounding of its master after all: the parent may do better

@@ -10,7 +10,9 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckptstore import codec
 from ckptstore.codec import (
+    DELTA_MIN_GAIN,
     REF,
     cast_prediction,
     checksum,
@@ -78,6 +80,80 @@ def test_small_chunks_are_stored_whole() -> None:
     assert encode_chunk(w.tobytes(), w.tobytes(), 4).codec == REF  # unchanged: still shared
     big_w = np.tile(w, 8)  # 128 KiB
     assert is_delta(encode_chunk((big_w + np.float32(1e-4)).tobytes(), big_w.tobytes(), 4).codec)
+
+
+def test_deltas_that_save_little_are_not_worth_a_chain_link() -> None:
+    # values that moved by their own size: the delta saves 1-3%, and every later restore
+    # in the chain would decode it, so the chunk is stored on its own
+    local = np.random.default_rng(7)
+    base = local.standard_normal(1 << 18).astype(np.float32)
+    raw = (base * (1 + 2 * local.standard_normal(base.size))).astype(np.float32)
+    anyway = encode_chunk(raw.tobytes(), base.tobytes(), 4, min_gain=0.0)
+    alone = encode_chunk(raw.tobytes(), None, 4)
+    assert is_delta(anyway.codec)
+    assert (1 - DELTA_MIN_GAIN) * len(alone.payload) < len(anyway.payload) < len(alone.payload)
+    chosen = encode_chunk(raw.tobytes(), base.tobytes(), 4)
+    assert chosen.codec.startswith("none/") and chosen.payload == alone.payload
+    roundtrip(raw.tobytes(), base.tobytes(), 4)
+
+
+def _decayed_table(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """An embedding's Adam second moment 25 steps later: the rows of tokens seen in between
+    got new values, the others only decayed (x 0.999 per step, rounded each time)."""
+    local = np.random.default_rng(seed)
+    table = np.abs(local.standard_normal((4096, 256))).astype(np.float32) * 1e-6
+    moved = table.copy()
+    for _ in range(25):
+        moved *= np.float32(0.999)
+    seen = local.random(4096) < 0.3
+    moved[seen] = np.abs(local.standard_normal((int(seen.sum()), 256))).astype(np.float32) * 1e-6
+    return moved, table
+
+
+def test_rows_that_only_decayed_are_predicted_by_a_scale(monkeypatch: pytest.MonkeyPatch) -> None:
+    moved, table = _decayed_table(8)
+    enc = encode_chunk(moved.tobytes(), table.tobytes(), 4)
+    assert enc.codec.startswith("scale/1|zsub/1|planes4/")
+    factor = struct.unpack_from("<f", enc.payload)[0]
+    assert factor == pytest.approx(0.999**25, rel=1e-5)
+    assert roundtrip(moved.tobytes(), table.tobytes(), 4) == enc.codec
+    assert is_delta(enc.codec)
+    monkeypatch.setattr(codec, "_scale_factor", lambda raw, base: None)
+    plain = encode_chunk(moved.tobytes(), table.tobytes(), 4)
+    assert not plain.codec.startswith("scale")
+    assert len(enc.payload) < 0.75 * len(plain.payload)
+
+
+def _scale_payload(factor_bits: int) -> bytes:
+    # a factor, then one raw plane of 16 fp32 elements
+    return struct.pack("<I", factor_bits) + struct.pack("<BBI", 1, 0, 64) + bytes(64)
+
+
+@pytest.mark.parametrize(
+    ("spec", "payload", "itemsize"),
+    [
+        ("scale/1|zsub/1|planes1/1|zstd/1", _scale_payload(0), 4),  # zero factor
+        ("scale/1|zsub/1|planes1/1|zstd/1", _scale_payload(0x00000001), 4),  # subnormal
+        ("scale/1|zsub/1|planes1/1|zstd/1", _scale_payload(0x7F800000), 4),  # infinity
+        ("scale/1|zsub/1|planes1/1|zstd/1", _scale_payload(0x7FC00000), 4),  # NaN
+        ("scale/1|zsub/1|planes1/1|zstd/1", b"\x00\x00", 4),  # truncated factor
+        ("scale/1|xor/1|planes1/1|zstd/1", _scale_payload(0x3F000000), 4),  # not zsub
+        ("scale/1|zsub/1|planes1/1|zstd/1", _scale_payload(0x3F000000), 2),  # not fp32
+        ("scale/1|planes1/1|zstd/1", _scale_payload(0x3F000000), 4),  # no mode
+    ],
+)
+def test_forged_scale_layers_are_corrupt_data(spec: str, payload: bytes, itemsize: int) -> None:
+    with pytest.raises(CorruptData):
+        decode_chunk(spec, payload, bytes(64), itemsize, 64, b"\0" * 16)
+
+
+def test_a_scale_layer_decodes_onto_the_scaled_base() -> None:
+    # the same payload as the forged ones above, with a valid factor (0.5) and a zero residual
+    base = np.arange(1, 17, dtype=np.float32)
+    want = (base * np.float32(0.5)).tobytes()
+    spec = "scale/1|zsub/1|planes1/1|zstd/1"
+    payload = _scale_payload(0x3F000000)
+    assert decode_chunk(spec, payload, base.tobytes(), 4, 64, checksum(want)) == want
 
 
 def test_drifting_bfloat16_roundtrip() -> None:
@@ -320,11 +396,13 @@ def test_the_numpy_reference_decodes_and_encodes_the_same_bytes(
     seen = local.random(2048) < 0.3
     moved[seen] += local.standard_normal((int(seen.sum()), 256)).astype(np.float32) * 1e-3
     drift = table + local.standard_normal(table.shape).astype(np.float32) * 1e-3
-    cases = [(moved, table), (drift, table), (table, None)]
+    decayed = _decayed_table(4)
+    cases = [(moved, table), (drift, table), (table, None), decayed]
     fused = [encode_chunk(a.tobytes(), None if b is None else b.tobytes(), 4) for a, b in cases]
     monkeypatch.setattr(planes, "_KERNELS", None)
     for (a, b), enc in zip(cases, fused, strict=True):
         base = None if b is None else b.tobytes()
         assert encode_chunk(a.tobytes(), base, 4) == enc
         assert decode_chunk(enc.codec, enc.payload, base, 4, a.nbytes, enc.checksum) == a.tobytes()
-    assert {c.codec.split("|")[1] for c in fused} >= {"runs/1", "planes4/2"}
+    assert {c.codec.split("|")[1] for c in fused} >= {"runs/1", "planes4/2", "zsub/1"}
+    assert fused[-1].codec.startswith("scale/1|")

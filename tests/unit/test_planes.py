@@ -203,3 +203,76 @@ def test_runs_kernels_match_the_numpy_reference(
             out = base.copy()
             join_runs(list(kept), runs, out, mode)
             assert np.array_equal(out, expected), (join_runs.__name__, mode)
+
+
+_SPECIAL_F32 = [
+    0x00000000,  # +0
+    0x80000000,  # -0
+    0x00000001,  # smallest subnormal
+    0x807FFFFF,  # largest negative subnormal
+    0x00800000,  # smallest normal: times a factor below 1 it becomes subnormal
+    0x7F7FFFFF,  # largest finite: times a factor above 1 it overflows
+    0x7F800000,  # +inf
+    0xFF800000,  # -inf
+    0x7FC00000,  # quiet NaN
+    0x7FA00001,  # signalling NaN with a payload
+    0xFFC01234,  # negative NaN with a payload
+]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    values=st.lists(
+        st.one_of(st.sampled_from(_SPECIAL_F32), st.integers(0, 2**32 - 1)), max_size=300
+    ),
+    factor=st.floats(
+        min_value=2.0**-100, max_value=2.0**100, allow_nan=False, allow_infinity=False, width=32
+    ),
+)
+def test_scale_matches_the_numpy_reference_and_keeps_special_values(
+    values: list[int], factor: float
+) -> None:
+    bits = int(np.array([factor], "<f4").view("<u4")[0])
+    base = np.array(values, np.uint32)
+    fused, reference = base.copy(), base.copy()
+    planes.scale(fused, bits)
+    planes.scale_numpy(reference, bits)
+    assert fused.tobytes() == reference.tobytes()
+    f = base.view("<f4")
+    with np.errstate(all="ignore"):
+        product = (f * np.float32(factor)).view("<u4")
+    normal = [0 < (v >> 23) & 0xFF < 255 for v in base.tolist()]
+    normal_product = [0 < (v >> 23) & 0xFF < 255 for v in product.tolist()]
+    for i, v in enumerate(base.tolist()):
+        # IEEE products where both are normal numbers; every other element as it was
+        want = int(product[i]) if normal[i] and normal_product[i] else v
+        assert int(fused[i]) == want, (hex(v), factor)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_scale_does_not_depend_on_flush_to_zero(fused: bool) -> None:
+    # torch.set_flush_denormal sets FTZ/DAZ for the thread: products and inputs that are
+    # subnormal would come out differently, so scale leaves those elements alone
+    torch = pytest.importorskip("torch")
+    local = np.random.default_rng(5)
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    values = np.concatenate(
+        [
+            local.uniform(0.5, 4, 1000).astype(np.float32) * tiny,  # around the smallest normal
+            local.standard_normal(1000).astype(np.float32),
+            np.array(_SPECIAL_F32, np.uint32).view(np.float32),
+        ]
+    ).view(np.uint32)
+    run = planes.scale if fused else planes.scale_numpy
+    factor = int(np.array([0.7], "<f4").view("<u4")[0])
+    plain = values.copy()
+    run(plain, factor)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("no flush-to-zero mode on this CPU")
+    try:
+        flushed = values.copy()
+        run(flushed, factor)
+    finally:
+        torch.set_flush_denormal(False)
+    assert flushed.tobytes() == plain.tobytes()
+    assert (plain != values).sum() > 1000  # the normal elements were scaled
