@@ -361,6 +361,12 @@ class CheckpointClient:
                 if n == self.retries:
                     if isinstance(exc, CkptStoreError):
                         raise
+                    if isinstance(exc, http.client.IncompleteRead):
+                        # the status line and headers came: the service failed mid-stream
+                        raise ServiceUnavailable(
+                            f"the ckptstore service at {self.url} cut its response short "
+                            f"({exc!r}): it failed while sending; its log says why"
+                        ) from exc
                     raise ServiceUnavailable(
                         f"cannot reach the ckptstore service at {self.url}: {exc!r}"
                     ) from exc

@@ -2,14 +2,17 @@
 
 The data comes from the base cache when the checkpoint is cached (``latest`` of an active
 run: no decoding at all) and otherwise from storage: each chunk follows its chain back to a
-self-contained chunk, decodes forward and is verified against its xxh3-128. Chunks are decoded
-in the codec pool, in order, a bounded number ahead of the one being sent. Every tensor is
-verified again as a whole against the checksum recorded at save time, and the response header
-carries those checksums (``__metadata__["ckptstore.xxh3_128"]``) so the client can check too.
+self-contained chunk, decodes forward and is verified against its xxh3-128; the chunks are
+checked to tile their tensors, so verified chunks make verified tensors. Chunks are decoded
+in the codec pool, in order, a bounded number ahead of the one being sent. Data from the base
+cache (which has no chunk checksums) is verified tensor by tensor against the checksums
+recorded at save time. The response header carries those checksums
+(``__metadata__["ckptstore.xxh3_128"]``) so the client can check too.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -48,7 +51,8 @@ class Restore:
 
 
 def open_restore(rt: Runtime, run: str, step: int | None, prefix: str | None) -> Restore:
-    """Resolve a checkpoint and prepare its stream (raises the not-found errors up front)."""
+    """Resolve a checkpoint and start its stream (raises the not-found errors, and any error
+    before the first piece, up front)."""
     info = rt.catalog.get(run, step)
     tensors = rt.catalog.tensors(info.id)
     if prefix:
@@ -60,7 +64,7 @@ def open_restore(rt: Runtime, run: str, step: int | None, prefix: str | None) ->
     def body() -> Iterator[Piece]:
         t0 = time.perf_counter()
         stats = _Stats()
-        data = _verified(tensors, _data(rt, info, tensors, stats))
+        data = _data(rt, info, tensors, stats)
         if stats.source == "storage" and not prefix:
             data = _fill_cache(rt, info, data)
         yield from _coalesced(prefix_bytes, data)
@@ -75,7 +79,11 @@ def open_restore(rt: Runtime, run: str, step: int | None, prefix: str | None) ->
             stats.decode_s,
         )
 
-    return Restore(info, header.total_len, body())
+    # the first piece now: what fails before it (the catalog's chunks, the first decodes)
+    # is still an HTTP error; what fails later can only cut the response short
+    stream = body()
+    first = next(stream)
+    return Restore(info, header.total_len, itertools.chain([first], stream))
 
 
 def materialize(rt: Runtime, info: CheckpointInfo, path: Path) -> None:
@@ -84,7 +92,7 @@ def materialize(rt: Runtime, info: CheckpointInfo, path: Path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)  # a recycled file: overwritten
     try:
         with os.fdopen(fd, "wb", closefd=False) as out:
-            for data in _verified(tensors, _data(rt, info, tensors)):
+            for data in _data(rt, info, tensors):
                 out.write(data)
     finally:
         os.close(fd)
@@ -164,11 +172,12 @@ class _Stats:
 
 def _data(
     rt: Runtime, info: CheckpointInfo, tensors: list[TensorInfo], stats: _Stats | None = None
-) -> Iterator[tuple[int, Piece]]:
+) -> Iterator[Piece]:
+    """The tensors' bytes, in order, verified."""
     stats = stats or _Stats()
     fd = rt.cache.open(info.run, info.id)
     if fd is not None:
-        return _from_cache(fd, tensors)
+        return _verified(tensors, _from_cache(fd, tensors))
     stats.source = "storage"
     return _from_storage(rt, info, tensors, stats)
 
@@ -186,11 +195,31 @@ def _from_cache(fd: int, tensors: list[TensorInfo]) -> Iterator[tuple[int, Piece
         os.close(fd)
 
 
+def _check_tiling(tensors: list[TensorInfo], chunks: list[ChunkInfo]) -> None:
+    """Check that ``chunks`` (in tensor and offset order) cover each tensor exactly, back to
+    back: each chunk's bytes are verified when decoded, so its tensor's are too."""
+    ends = {t.idx: 0 for t in tensors}
+    for c in chunks:
+        if c.offset != ends[c.tensor_idx] or c.raw_len <= 0:
+            raise CorruptData(f"the catalog's chunks of tensor {c.tensor_idx} do not tile it")
+        ends[c.tensor_idx] += c.raw_len
+    empty = xxhash.xxh3_128_digest(b"")
+    for t in tensors:
+        if ends[t.idx] != t.nbytes:
+            raise CorruptData(
+                f"the catalog's chunks of tensor {t.name!r} do not tile it: they hold "
+                f"{ends[t.idx]} of its {t.nbytes} bytes"
+            )
+        if t.nbytes == 0 and t.checksum != empty:
+            raise CorruptData(f"tensor {t.name!r} does not match its checksum")
+
+
 def _from_storage(
     rt: Runtime, info: CheckpointInfo, tensors: list[TensorInfo], stats: _Stats
-) -> Iterator[tuple[int, Piece]]:
+) -> Iterator[Piece]:
     wanted = {t.idx for t in tensors}
     chunks = [c for c in rt.catalog.chunks(info.id) if c.tensor_idx in wanted]
+    _check_tiling(tensors, chunks)
     closure = rt.catalog.chunk_closure(chunks)
     reader = _WindowReader(rt.store, closure.values())
 
@@ -267,21 +296,20 @@ def _from_storage(
     # chunks: a state has hundreds of small tensors, and a count that keeps the codec threads
     # busy on 4 MiB chunks lets them run dry on small ones while the sender works.
     budget = rt.in_flight * rt.settings.chunk_bytes
-    pending: deque[tuple[int, int, Future[Piece]]] = deque()
+    pending: deque[tuple[int, Future[Piece]]] = deque()
     queued = 0
     try:
         for c in chunks:
-            pending.append((c.tensor_idx, c.raw_len, rt.pool.submit(decode_and_keep, c)))
+            pending.append((c.raw_len, rt.pool.submit(decode_and_keep, c)))
             queued += c.raw_len
             while queued > budget or len(pending) > _MAX_AHEAD:
-                idx, size, fut = pending.popleft()
+                size, fut = pending.popleft()
                 queued -= size
-                yield idx, fut.result()
+                yield fut.result()
         while pending:
-            idx, _, fut = pending.popleft()
-            yield idx, fut.result()
+            yield pending.popleft()[1].result()
     finally:
-        for _, _, fut in pending:
+        for _, fut in pending:
             fut.cancel()
 
 

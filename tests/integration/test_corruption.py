@@ -1,0 +1,93 @@
+"""Corrupt stored data is refused, never served: a flipped byte in a blob, a catalog whose
+chunks no longer tile their tensor, a damaged base cache file."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptstore import CheckpointClient, CkptStoreError, CorruptData
+from serviceproc import Service
+
+ENV = {"CKPTSTORE_CHUNK_BYTES": str(64 << 10)}  # several chunks per tensor
+
+
+def _states() -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(512, 256, generator=g)
+    return [{"w": w + 1e-3 * i * torch.randn(512, 256, generator=g), "step": i} for i in range(3)]
+
+
+def _saved(make_service: Callable[..., Service], data_dir: Path) -> list[dict[str, Any]]:
+    states = _states()
+    svc = make_service(ENV, data_dir)
+    with CheckpointClient(svc.url) as client:
+        for i, state in enumerate(states):
+            client.save("run", i, state)
+    svc.stop()
+    return states
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _client(svc: Service) -> CheckpointClient:
+    return CheckpointClient(svc.url, retries=0)
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_a_blob_is_refused(
+    make_service: Callable[..., Service], tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    states = _saved(make_service, data_dir)
+    (blob,) = (p for p in (data_dir / "blobs").rglob("1-*.blob"))  # the middle of the chain
+    _flip(blob, blob.stat().st_size // 2)
+    svc = make_service(ENV, data_dir)  # a fresh process: no base cache
+    with _client(svc) as client:
+        assert torch.equal(client.load("run", 0)["w"], states[0]["w"])  # its own blob: fine
+        for step in (1, 2):  # the corrupt chunk, and the delta that rests on it
+            with pytest.raises(CkptStoreError) as err:
+                client.load("run", step)
+            # refused before the response starts, or the response is cut short
+            assert isinstance(err.value, CorruptData) or "cut its response short" in str(err.value)
+
+
+@pytest.mark.slow
+def test_chunks_that_do_not_tile_their_tensor_are_refused(
+    make_service: Callable[..., Service], tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    _saved(make_service, data_dir)
+    with sqlite3.connect(data_dir / "catalog.sqlite3") as db:
+        (checkpoint,) = db.execute("SELECT id FROM checkpoints WHERE step = 1").fetchone()
+        (chunk,) = db.execute(
+            "SELECT max(id) FROM chunks WHERE checkpoint_id = ?", (checkpoint,)
+        ).fetchone()
+        db.execute("DELETE FROM chunks WHERE id = ?", (chunk,))  # a hole in the tensor
+    svc = make_service(ENV, data_dir)
+    with _client(svc) as client, pytest.raises(CorruptData, match="do not tile"):
+        client.load("run", 1)
+
+
+@pytest.mark.slow
+def test_a_damaged_base_cache_is_refused(
+    make_service: Callable[..., Service], tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    states = _saved(make_service, data_dir)
+    svc = make_service(ENV, data_dir)
+    with _client(svc) as client:
+        assert torch.equal(client.load("run")["w"], states[-1]["w"])  # decoded, then cached
+        (cached,) = (data_dir / "cache").rglob("*.bin")
+        _flip(cached, 1000)
+        with pytest.raises(CorruptData, match="does not match its checksum"):
+            client.load("run")
