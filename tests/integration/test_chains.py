@@ -174,3 +174,13 @@ def test_bf16_weights_are_predicted_from_their_fp32_master(service: Service) -> 
         client.save("mixed", 2, nxt)
         assert_identical(client.load("mixed", 2), nxt)
         assert_identical(client.load("mixed", 1), state)
+
+
+def test_empty_tensors_reload(service: Service) -> None:
+    # no chunks at all: a restore checks them against their tensor (zero bytes) all the same
+    state = {"e": torch.empty(0), "z": torch.zeros(0, 5), "w": torch.randn(64, 64), "step": 1}
+    with CheckpointClient(service.url) as client:
+        client.save("empty", 1, state)
+        client.save("empty", 2, {**state, "step": 2})
+        assert_identical(client.load("empty", 1), state)  # decoded from storage
+        assert_identical(client.load("empty"), {**state, "step": 2})  # from the base cache
