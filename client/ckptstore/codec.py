@@ -110,7 +110,7 @@ _TRY_MODES = ("none", "zsub", "xor")
 _SAMPLE_WINDOWS = 4
 #: A delta must be at least this much smaller than the chunk on its own: a restore decodes
 #: every link of a chain, and deltas that save a few percent (the Adam moments of a model
-#: trained from scratch) made up a third of a deep restore's work in bench/ runs.
+#: trained from scratch) were 40% of a deep restore's decode time in bench/chains.py.
 DELTA_MIN_GAIN = 0.05
 # Chunks below this size are stored whole, never as deltas: a restore walks a delta's whole
 # chain, one decode per link, and for a bias or a norm's weights that costs far more time
