@@ -99,6 +99,8 @@ _SCALE_MIN_SHARE = 8
 _SCALE_WIDTH = 2.0**-19
 _SCALE_PROBE = 1024  # sample elements the factor is estimated on
 _SCALE_MIN_COUNT = 32
+_F32_EXPONENT = 0x7F800000
+_F32_ONE = 0x3F800000
 _RUNS_MIN_SHARE = 8  # zero elements must be at least 1/8 of the chunk
 _RUNS_MIN_GAP = 16  # and come in stretches this long on average
 # A plane is stored raw unless zstd gets it below this fraction of its size.
@@ -212,11 +214,9 @@ def _scale_factor(raw: np.ndarray, base: np.ndarray) -> int | None:
     there is one: rows that only decayed since the base (weight decay on embedding rows that
     saw no token, the Adam moments of those rows: 0.9**25 and 0.999**25 after 25 steps)."""
     stride = max(1, len(raw) // _SCALE_PROBE)
-    r, b = raw[::stride].view("<f4"), base[::stride].view("<f4")
-    exp_mask = np.uint32(0x7F800000)
-    er, eb = raw[::stride] & exp_mask, base[::stride] & exp_mask
-    ok = (er != 0) & (er != exp_mask) & (eb != 0) & (eb != exp_mask)
-    q = np.sort(r[ok].astype(np.float64) / b[ok])
+    r, b = raw[::stride], base[::stride]
+    ok = _normal(r) & _normal(b)
+    q = np.sort(r[ok].view("<f4").astype(np.float64) / b[ok].view("<f4"))
     if len(q) < _SCALE_MIN_COUNT:
         return None
     # the densest window of ratios [q, q * (1 + width)]
@@ -224,11 +224,17 @@ def _scale_factor(raw: np.ndarray, base: np.ndarray) -> int | None:
     i = int(np.argmax(counts))
     if counts[i] < max(_SCALE_MIN_COUNT, len(q) // _SCALE_MIN_SHARE):
         return None
-    factor = np.float32(np.median(q[i : i + counts[i]]))
-    bits = int(np.array([factor], "<f4").view("<u4")[0])
-    if factor == 1 or not np.isfinite(factor) or not bits & 0x7F800000:
+    bits = np.array([np.median(q[i : i + counts[i]])], "<f4").view("<u4")
+    if bits[0] == _F32_ONE or not _normal(bits)[0]:
         return None  # 1 is zsub; the factor must be a normal number
-    return bits
+    return int(bits[0])
+
+
+def _normal(bits: np.ndarray) -> np.ndarray:
+    """Which fp32 bit patterns are normal numbers (not zero, subnormal, infinite or NaN)."""
+    exponent = bits & np.uint32(_F32_EXPONENT)
+    out: np.ndarray = (exponent != 0) & (exponent != _F32_EXPONENT)
+    return out
 
 
 def _zero_runs(split: np.ndarray) -> np.ndarray | None:
@@ -358,8 +364,10 @@ def encode_chunk(
         return planes.split(raw_v, base_v, planes.MODES[m])
 
     count = max(1, _SAMPLE_BYTES // itemsize)
-    if itemsize == 4 and base_v is not None:
-        factor = _scale_factor(_sample(raw_v, count), _sample(base_v, count))
+    raw_s = _sample(raw_v, count)
+    base_s = None if base_v is None else _sample(base_v, count)
+    if itemsize == 4 and base_s is not None:
+        factor = _scale_factor(raw_s, base_s)
         if factor is not None:
             modes += (_SCALE,)
     if len(raw_v) <= 2 * count:
@@ -371,8 +379,6 @@ def encode_chunk(
         runs = None
     else:
         # large chunk: choose the mode and the planes worth compressing on a sample
-        raw_s = _sample(raw_v, count)
-        base_s = None if base_v is None else _sample(base_v, count)
         trials = _pack_planes(
             {m: residual(m, raw_s, base_s) for m in modes}, level, None, _PLANE_GAIN
         )
@@ -435,7 +441,7 @@ def _parse_link(codec: str, payload: Buffer, itemsize: int, raw_len: int) -> _Li
         if itemsize != 4 or parts[1:2] != ["zsub/1"] or len(body) < _SCALE_HEAD.size:
             raise CorruptData(f"unknown codec spec {codec!r} for {itemsize}-byte items")
         (scale,) = _SCALE_HEAD.unpack_from(body)
-        if scale & 0x7F800000 in (0, 0x7F800000):
+        if not _normal(np.array([scale], np.uint32))[0]:
             raise CorruptData(f"scale factor {scale:#x} is not a normal fp32")
         del parts[0]
         body = body[_SCALE_HEAD.size :]

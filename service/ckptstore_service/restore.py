@@ -36,6 +36,7 @@ from ckptstore_service.storage import BlobStore, Buffer
 __all__ = ["CHECKSUMS_KEY", "Restore", "materialize", "open_restore"]
 
 CHECKSUMS_KEY = "ckptstore.xxh3_128"
+_EMPTY = xxhash.xxh3_128_digest(b"")
 Piece = bytes | memoryview  # decoded data: chunks are sent as the arrays they were decoded in
 _READ_BYTES = 4 << 20
 _SEND_BYTES = 1 << 20
@@ -158,8 +159,13 @@ def _verified(tensors: list[TensorInfo], pieces: Iterator[tuple[int, Piece]]) ->
         yield data
     if current is not None:
         check(current)
-    for t in tensors:  # empty tensors produce no pieces
-        if t.nbytes == 0 and t.checksum != xxhash.xxh3_128_digest(b""):
+    _check_empty(tensors)  # empty tensors produce no pieces
+
+
+def _check_empty(tensors: list[TensorInfo]) -> None:
+    """Empty tensors (no chunks, no bytes) against their recorded checksums."""
+    for t in tensors:
+        if t.nbytes == 0 and t.checksum != _EMPTY:
             raise CorruptData(f"tensor {t.name!r} does not match its checksum")
 
 
@@ -203,15 +209,13 @@ def _check_tiling(tensors: list[TensorInfo], chunks: list[ChunkInfo]) -> None:
         if c.offset != ends[c.tensor_idx] or c.raw_len <= 0:
             raise CorruptData(f"the catalog's chunks of tensor {c.tensor_idx} do not tile it")
         ends[c.tensor_idx] += c.raw_len
-    empty = xxhash.xxh3_128_digest(b"")
     for t in tensors:
         if ends[t.idx] != t.nbytes:
             raise CorruptData(
                 f"the catalog's chunks of tensor {t.name!r} do not tile it: they hold "
                 f"{ends[t.idx]} of its {t.nbytes} bytes"
             )
-        if t.nbytes == 0 and t.checksum != empty:
-            raise CorruptData(f"tensor {t.name!r} does not match its checksum")
+    _check_empty(tensors)
 
 
 def _from_storage(

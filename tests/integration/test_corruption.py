@@ -23,14 +23,19 @@ def _states() -> list[dict[str, Any]]:
     return [{"w": w + 1e-3 * i * torch.randn(512, 256, generator=g), "step": i} for i in range(3)]
 
 
-def _saved(make_service: Callable[..., Service], data_dir: Path) -> list[dict[str, Any]]:
+@pytest.fixture
+def saved(
+    make_service: Callable[..., Service], tmp_path: Path
+) -> tuple[Path, list[dict[str, Any]]]:
+    """A data folder holding a run of 3 checkpoints (one chain), and their states."""
     states = _states()
+    data_dir = tmp_path / "data"
     svc = make_service(ENV, data_dir)
     with CheckpointClient(svc.url) as client:
         for i, state in enumerate(states):
             client.save("run", i, state)
     svc.stop()
-    return states
+    return data_dir, states
 
 
 def _flip(path: Path, offset: int) -> None:
@@ -45,10 +50,9 @@ def _client(svc: Service) -> CheckpointClient:
 
 @pytest.mark.slow
 def test_a_flipped_byte_in_a_blob_is_refused(
-    make_service: Callable[..., Service], tmp_path: Path
+    make_service: Callable[..., Service], saved: tuple[Path, list[dict[str, Any]]]
 ) -> None:
-    data_dir = tmp_path / "data"
-    states = _saved(make_service, data_dir)
+    data_dir, states = saved
     (blob,) = (p for p in (data_dir / "blobs").rglob("1-*.blob"))  # the middle of the chain
     _flip(blob, blob.stat().st_size // 2)
     svc = make_service(ENV, data_dir)  # a fresh process: no base cache
@@ -63,10 +67,9 @@ def test_a_flipped_byte_in_a_blob_is_refused(
 
 @pytest.mark.slow
 def test_chunks_that_do_not_tile_their_tensor_are_refused(
-    make_service: Callable[..., Service], tmp_path: Path
+    make_service: Callable[..., Service], saved: tuple[Path, list[dict[str, Any]]]
 ) -> None:
-    data_dir = tmp_path / "data"
-    _saved(make_service, data_dir)
+    data_dir, _ = saved
     with sqlite3.connect(data_dir / "catalog.sqlite3") as db:
         (checkpoint,) = db.execute("SELECT id FROM checkpoints WHERE step = 1").fetchone()
         (chunk,) = db.execute(
@@ -80,10 +83,9 @@ def test_chunks_that_do_not_tile_their_tensor_are_refused(
 
 @pytest.mark.slow
 def test_a_damaged_base_cache_is_refused(
-    make_service: Callable[..., Service], tmp_path: Path
+    make_service: Callable[..., Service], saved: tuple[Path, list[dict[str, Any]]]
 ) -> None:
-    data_dir = tmp_path / "data"
-    states = _saved(make_service, data_dir)
+    data_dir, states = saved
     svc = make_service(ENV, data_dir)
     with _client(svc) as client:
         assert torch.equal(client.load("run")["w"], states[-1]["w"])  # decoded, then cached
