@@ -123,8 +123,18 @@ _DELTA_MIN_BYTES = 64 << 10
 @dataclass(frozen=True, slots=True)
 class EncodedChunk:
     codec: str
-    payload: bytes  # empty for ref
+    # the stored payload in pieces (none for ref), written one after the other: joining
+    # them would copy each chunk's payload once more, holding the GIL
+    parts: tuple[Buffer, ...]
     checksum: bytes  # xxh3-128 of the raw bytes, 16 bytes big-endian
+
+    @property
+    def size(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    @property
+    def payload(self) -> bytes:
+        return b"".join(self.parts)
 
 
 def is_delta(codec: str) -> bool:
@@ -242,8 +252,7 @@ def _zero_runs(split: np.ndarray) -> np.ndarray | None:
     least 1/8 of the elements are zero, in stretches of 16+ on average (the rows of an
     embedding or of its Adam moments that fine-tuning did not touch)."""
     n = split.shape[1]
-    mask = np.bitwise_or.reduce(split, axis=0) != 0
-    kept = int(np.count_nonzero(mask))
+    mask, kept = planes.nonzero_elements(split)
     zeros = n - kept
     if not kept or zeros * _RUNS_MIN_SHARE < n:
         return None
@@ -342,9 +351,9 @@ def encode_chunk(
     if base is not None and len(base) != len(raw):
         raise ValueError("base chunk length differs from the chunk")
     if base is not None and _equal(raw, base):
-        return EncodedChunk(REF, b"", digest)
+        return EncodedChunk(REF, (), digest)
     if not len(raw):
-        return EncodedChunk(RAW, b"", digest)
+        return EncodedChunk(RAW, (), digest)
     if not delta or len(raw) < _DELTA_MIN_BYTES:
         base = None
     uint = planes.UINT[itemsize]
@@ -408,12 +417,11 @@ def encode_chunk(
     parts.append(struct.pack("<B", len(stored)))
     parts += [struct.pack("<BI", kind, _size(body)) for kind, body in stored]
     parts += [part for _, body in stored for part in body]
-    payload = b"".join(parts)
-    if len(payload) >= len(raw):
-        return EncodedChunk(RAW, bytes(raw), digest)
+    if _size(parts) >= len(raw):
+        return EncodedChunk(RAW, (bytes(raw),), digest)  # a copy: the caller reuses ``raw``
     # planes/2 when a plane is sparse: readers of planes/1 only reject such chunks
     version = 2 if any(kind == _PLANE_SPARSE for kind, _ in stored) else 1
-    return EncodedChunk(f"{layers}|planes{len(stored)}/{version}|zstd/1", payload, digest)
+    return EncodedChunk(f"{layers}|planes{len(stored)}/{version}|zstd/1", tuple(parts), digest)
 
 
 def _equal(a: Buffer, b: Buffer) -> bool:

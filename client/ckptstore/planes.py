@@ -152,6 +152,11 @@ def element_runs_numpy(mask: np.ndarray) -> np.ndarray:
     return np.stack([skips, ends - starts], axis=1).reshape(-1).astype(np.uint32)
 
 
+def nonzero_elements_numpy(planes: np.ndarray) -> tuple[np.ndarray, int]:
+    mask: np.ndarray = np.bitwise_or.reduce(planes, axis=0) != 0
+    return mask, int(np.count_nonzero(mask))
+
+
 def _run_mask(runs: np.ndarray, n: int) -> np.ndarray:
     skips, lengths = runs[0::2].astype(np.int64), runs[1::2].astype(np.int64)
     ends = np.cumsum(skips + lengths)
@@ -381,6 +386,19 @@ def _runs_kernel(mask: Any) -> Any:  # pragma: no cover - jit
     return runs
 
 
+def _nonzero_kernel(planes: Any, mask: Any) -> int:  # pragma: no cover - jit
+    n = planes.shape[1]
+    for i in range(n):  # one pass per plane: vectorizes
+        mask[i] = planes[0, i] != 0
+    for j in range(1, planes.shape[0]):
+        for i in range(n):
+            mask[i] |= planes[j, i] != 0
+    kept = 0
+    for i in range(n):
+        kept += mask[i]
+    return kept
+
+
 def _scale_kernel(values: Any, factor: Any, lo: Any, hi: Any) -> None:  # pragma: no cover
     for i in range(values.shape[0]):  # branch-free: vectorizes
         x = values[i]
@@ -420,6 +438,7 @@ def _compile() -> tuple[Callable[..., Any], ...] | None:
         _compact_kernel,
         _join_runs_kernel,
         _scale_kernel,
+        _nonzero_kernel,
     )
     try:
         return tuple(jit(k, True) for k in kernels)
@@ -498,6 +517,17 @@ def element_runs(mask: np.ndarray) -> np.ndarray:
     return runs
 
 
+def nonzero_elements(planes: np.ndarray) -> tuple[np.ndarray, int]:
+    """Which columns (elements) of the ``(itemsize, n)`` planes hold a nonzero byte, as a
+    bool array, and how many do. (The numba kernel releases the GIL; numpy's reduction and
+    count, three passes, hold it.)"""
+    if _KERNELS is None:
+        return nonzero_elements_numpy(planes)
+    mask = np.empty(planes.shape[1], np.bool_)
+    kept = _KERNELS[9](_readonly(planes), mask)
+    return mask, int(kept)
+
+
 def compact(planes: np.ndarray, runs: np.ndarray) -> np.ndarray:
     """The columns of the ``(itemsize, n)`` planes that ``runs`` cover, back to back."""
     if _KERNELS is None:
@@ -537,7 +567,7 @@ def warm_up() -> None:
         raw = np.zeros(8, dtype=uint)
         planes = split(raw, raw, MODES["zsub"])
         join(list(planes), raw.copy(), MODES["zsub"])
-        runs = element_runs(np.asarray(planes.any(axis=0)))
+        runs = element_runs(nonzero_elements(planes)[0])
         join_runs(list(compact(planes, runs)), runs, raw.copy(), MODES["zsub"])
     round_bf16(np.zeros(8, np.uint32))
     scale(np.zeros(8, np.uint32), 0x3F800000)

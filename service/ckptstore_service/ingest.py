@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -34,7 +35,7 @@ from ckptstore_service.cache import open_reader
 from ckptstore_service.catalog import CheckpointInfo, NewChunk, TensorInfo
 from ckptstore_service.restore import materialize
 from ckptstore_service.runtime import Runtime
-from ckptstore_service.storage import BlobStore
+from ckptstore_service.storage import BlobStore, Buffer
 
 __all__ = ["ingest", "unbatched"]
 
@@ -85,9 +86,9 @@ def _base_index(
     return index
 
 
-def unbatched(items: Iterable[object], end: object) -> Iterator[bytes]:
-    """The pieces of a batched hand-off between threads: each item is a list of pieces, an
-    exception (raised here) or ``end``."""
+def unbatched(items: Iterable[object], end: object) -> Iterator[Any]:
+    """The pieces of a batched hand-off between threads: each item is a list of pieces (of
+    the caller's type), an exception (raised here) or ``end``."""
     for item in items:
         if item is end:
             return
@@ -109,7 +110,7 @@ class _BlobWriter:
     def __init__(self, store: BlobStore, key: str) -> None:
         self._q: queue.Queue[object] = queue.Queue(4)
         self._result: int | BaseException | None = None
-        self._batch: list[bytes] = []
+        self._batch: list[Buffer] = []
         self._batched = 0
         self._thread = threading.Thread(target=self._run, args=(store, key), daemon=True)
         self._thread.start()
@@ -136,8 +137,8 @@ class _BlobWriter:
         if isinstance(self._result, BaseException):
             raise self._result
 
-    def write(self, data: bytes) -> None:
-        if data:
+    def write(self, data: Buffer) -> None:
+        if len(data):
             self._batch.append(data)
             self._batched += len(data)
             if self._batched >= self._BATCH:
@@ -397,7 +398,9 @@ def _store(
                     base_id = p.base.chunk_id
                     depth = p.base.depth + codec.is_delta(enc.codec)
                 position[(p.tensor_idx, p.offset)] = len(chunks)
-                writer.write(enc.payload)
+                size = enc.size
+                for part in enc.parts:
+                    writer.write(part)
                 chunks.append(
                     NewChunk(
                         tensor_idx=p.tensor_idx,
@@ -408,11 +411,11 @@ def _store(
                         base_id=base_id,
                         depth=depth,
                         blob_offset=blob_offset,
-                        stored_len=len(enc.payload),
+                        stored_len=size,
                         checksum=enc.checksum,
                     )
                 )
-                blob_offset += len(enc.payload)
+                blob_offset += size
 
         hashers = [xxhash.xxh3_128() for _ in header.tensors]
         # Chunk buffers are recycled once encoded: fresh ones cost a page fault per 4 KiB.

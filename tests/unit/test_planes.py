@@ -190,6 +190,10 @@ def test_runs_kernels_match_the_numpy_reference(
     rows = np.repeat(rng.random(n // row + 1) < share, row)[:n]
     residual = (rng.integers(0, 256, (itemsize, n)) * rows).astype(np.uint8)
     mask = residual.any(axis=0)
+    for nonzero in (planes.nonzero_elements, planes.nonzero_elements_numpy):
+        found, kept_count = nonzero(residual)
+        assert np.array_equal(found, mask), nonzero.__name__
+        assert kept_count == int(mask.sum()), nonzero.__name__
     runs = planes.element_runs(mask)
     assert np.array_equal(runs, planes.element_runs_numpy(mask))
     assert int(runs[1::2].sum()) == int(mask.sum())
