@@ -130,7 +130,7 @@ class EncodedChunk:
 
     @property
     def size(self) -> int:
-        return sum(len(p) for p in self.parts)
+        return _size(self.parts)
 
     @property
     def payload(self) -> bytes:
