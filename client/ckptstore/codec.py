@@ -260,7 +260,15 @@ def _zero_runs(split: np.ndarray) -> np.ndarray | None:
     return runs if len(runs) // 2 * _RUNS_MIN_GAP <= zeros else None
 
 
-_Packed = tuple[str, int, list[tuple[int, list[Buffer]]]]  # mode, size, (kind, body) per plane
+class _Stored(NamedTuple):
+    """One byte plane as stored: its kind, its size in bytes and its body in parts."""
+
+    kind: int
+    size: int
+    parts: list[Buffer]
+
+
+_Packed = tuple[str, int, list[_Stored]]  # mode, total size, the planes as stored
 
 
 def _pack_planes(
@@ -271,46 +279,56 @@ def _pack_planes(
 ) -> list[_Packed]:
     """For each mode, its residual's byte planes (``split``), each stored the smallest way
     it is allowed (``kinds`` per plane; every way if None): zstd, sparse, or raw when neither
-    gets below ``gain`` x its size. Returns (mode, total size, per plane (kind, body parts)).
+    gets below ``gain`` x its size. Returns (mode, total size, the planes as stored).
     All the compressions are one zstd call (one GIL release instead of one per plane: the
-    codec threads hand the GIL back and forth less)."""
-    modes = list(split)
-    jobs: list[tuple[tuple[str, int, int], Buffer]] = []
-    heads: dict[tuple[str, int], bytes] = {}
-    for m in modes:
+    codec threads hand the GIL back and forth less). This runs for every chunk, holding the
+    GIL between its kernels: sizes are plain ints, compared in plain loops."""
+    jobs: list[Buffer] = []
+    # per plane: its zstd job, its sparse header and the sparse stream's job (-1: none)
+    slots: list[tuple[int, bytes | None, int]] = []
+    for m in split:
         for i, plane in enumerate(split[m]):
             kind = None if kinds is None else kinds[i]
-            if kind in (None, _PLANE_ZSTD):
-                jobs.append(((m, i, _PLANE_ZSTD), plane.data))
+            z = s = -1
+            head = None
+            if kind is None or kind == _PLANE_ZSTD:
+                z = len(jobs)
+                jobs.append(plane.data)
             # sparse is tried on planes that are at least half zero bytes
             if kind == _PLANE_SPARSE or (
                 kind is None and 2 * np.count_nonzero(plane) <= len(plane)
             ):
                 count, stream = planes.sparse_pack(plane)
-                heads[m, i] = _SPARSE_HEAD.pack(count, len(stream) - count)
+                head = _SPARSE_HEAD.pack(count, len(stream) - count)
                 if count:
-                    jobs.append(((m, i, _PLANE_SPARSE), stream.data))
-    packed: dict[tuple[str, int, int], Buffer] = {}
+                    s = len(jobs)
+                    jobs.append(stream.data)
+            slots.append((z, head, s))
+    frames: list[memoryview] = []
     if jobs:
-        frames = _cctx(level).multi_compress_to_buffer([data for _, data in jobs])
-        packed = {key: memoryview(cast(Any, frames[j])) for j, (key, _) in enumerate(jobs)}
+        packed = _cctx(level).multi_compress_to_buffer(jobs)
+        frames = [memoryview(cast(Any, packed[j])) for j in range(len(jobs))]
     out = []
-    for m in modes:
-        stored: list[tuple[int, list[Buffer]]] = []
-        for i, plane in enumerate(split[m]):
-            options: list[tuple[int, list[Buffer]]] = []
-            if (m, i, _PLANE_ZSTD) in packed:
-                options.append((_PLANE_ZSTD, [packed[m, i, _PLANE_ZSTD]]))
-            if (m, i) in heads:
-                frame = packed.get((m, i, _PLANE_SPARSE))
-                options.append((_PLANE_SPARSE, [heads[m, i]] + ([frame] if frame else [])))
-            # the smallest; on a tie sparse, which decodes several times faster
-            best = min(options, key=lambda o: (_size(o[1]), o[0] != _PLANE_SPARSE), default=None)
-            if best is not None and _size(best[1]) < gain * len(plane):
-                stored.append(best)
-            else:
-                stored.append((_PLANE_RAW, [plane.data]))
-        out.append((m, sum(_size(parts) for _, parts in stored), stored))
+    k = 0
+    for m in split:
+        stored: list[_Stored] = []
+        total = 0
+        for plane in split[m]:
+            z, head, s = slots[k]
+            k += 1
+            # the smallest under the limit; on a tie sparse, which decodes several times faster
+            best = _Stored(_PLANE_RAW, len(plane), [plane.data])
+            limit: float = gain * len(plane)
+            if head is not None:
+                size = len(head) + (len(frames[s]) if s >= 0 else 0)
+                if size < limit:
+                    best = _Stored(_PLANE_SPARSE, size, [head, frames[s]] if s >= 0 else [head])
+                    limit = size
+            if z >= 0 and len(frames[z]) < limit:
+                best = _Stored(_PLANE_ZSTD, len(frames[z]), [frames[z]])
+            stored.append(best)
+            total += best.size
+        out.append((m, total, stored))
     return out
 
 
@@ -392,7 +410,7 @@ def encode_chunk(
             {m: residual(m, raw_s, base_s) for m in modes}, level, None, _PLANE_GAIN
         )
         mode, _, chosen = _best(trials, min_gain)
-        kinds: list[int] | None = [kind for kind, _ in chosen]
+        kinds: list[int] | None = [p.kind for p in chosen]
         full = residual(mode, raw_v, base_v)
         runs = _zero_runs(full)
         if runs is not None:  # the kept elements' planes are denser: choose their kinds anew
@@ -402,7 +420,7 @@ def encode_chunk(
                 [(_, _, chosen)] = _pack_planes(
                     {mode: _sample(full, count)}, level, None, _PLANE_GAIN
                 )
-                kinds = [kind for kind, _ in chosen]
+                kinds = [p.kind for p in chosen]
         [(_, _, stored)] = _pack_planes({mode: full}, level, kinds, 1.0)
     parts: list[Buffer] = []
     layers = f"{mode}/1"
@@ -415,12 +433,12 @@ def encode_chunk(
         parts += [_RUNS_HEAD.pack(len(runs) // 2, len(frame)), frame]
         layers += "|runs/1"
     parts.append(struct.pack("<B", len(stored)))
-    parts += [struct.pack("<BI", kind, _size(body)) for kind, body in stored]
-    parts += [part for _, body in stored for part in body]
+    parts += [struct.pack("<BI", p.kind, p.size) for p in stored]
+    parts += [part for p in stored for part in p.parts]
     if _size(parts) >= len(raw):
         return EncodedChunk(RAW, (bytes(raw),), digest)  # a copy: the caller reuses ``raw``
     # planes/2 when a plane is sparse: readers of planes/1 only reject such chunks
-    version = 2 if any(kind == _PLANE_SPARSE for kind, _ in stored) else 1
+    version = 2 if any(p.kind == _PLANE_SPARSE for p in stored) else 1
     return EncodedChunk(f"{layers}|planes{len(stored)}/{version}|zstd/1", tuple(parts), digest)
 
 
