@@ -54,7 +54,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -280,9 +280,10 @@ def _pack_planes(
     """For each mode, its residual's byte planes (``split``), each stored the smallest way
     it is allowed (``kinds`` per plane; every way if None): zstd, sparse, or raw when neither
     gets below ``gain`` x its size. Returns (mode, total size, the planes as stored).
-    All the compressions are one zstd call (one GIL release instead of one per plane: the
-    codec threads hand the GIL back and forth less). This runs for every chunk, holding the
-    GIL between its kernels: sizes are plain ints, compared in plain loops."""
+    Each compression is one ``compress`` on the thread's context (``multi_compress_to_buffer``
+    sets up a fresh context per call: ~23 us, 12% of bench/'s encode time). This runs for
+    every chunk, holding the GIL between its kernels: sizes are plain ints, compared in plain
+    loops."""
     jobs: list[Buffer] = []
     # per plane: its zstd job, its sparse header and the sparse stream's job (-1: none)
     slots: list[tuple[int, bytes | None, int]] = []
@@ -304,10 +305,8 @@ def _pack_planes(
                     s = len(jobs)
                     jobs.append(stream.data)
             slots.append((z, head, s))
-    frames: list[memoryview] = []
-    if jobs:
-        packed = _cctx(level).multi_compress_to_buffer(jobs)
-        frames = [memoryview(cast(Any, packed[j])) for j in range(len(jobs))]
+    cctx = _cctx(level)
+    frames = [cctx.compress(data) for data in jobs]
     out = []
     k = 0
     for m in split:
@@ -656,16 +655,22 @@ def _sparse_plane(i: int, body: memoryview, n: int) -> _Plane:
 
 
 def _decompress_all(frames: list[memoryview], sizes: list[int]) -> list[Any]:
-    """Each zstd frame decompressed, holding exactly its size in ``sizes``."""
-    if not frames:
-        return []
-    try:
-        out = _dctx().multi_decompress_to_buffer(
-            cast("list[Buffer]", frames), decompressed_sizes=struct.pack(f"<{len(sizes)}Q", *sizes)
-        )
-    except (zstandard.ZstdError, ValueError) as exc:
-        raise CorruptData(f"zstd plane does not decode: {exc}") from exc
-    unpacked: list[Any] = [out[i] for i in range(len(out))]
-    if [len(u) for u in unpacked] != sizes:
-        raise CorruptData("a zstd plane does not hold the bytes its chunk needs")
-    return unpacked
+    """Each zstd frame decompressed, holding exactly its size in ``sizes``.
+
+    One ``decompress`` per frame on the thread's context: ``multi_decompress_to_buffer`` sets
+    up a fresh context per call, ~25 us that a chunk's whole decode of a few KiB, or one link
+    of a deep chain, cannot afford (bench/: 10-15% of a deep restore's zstd time). Each
+    frame's header must state its size before anything is allocated for it.
+    """
+    dctx = _dctx()
+    out = []
+    for frame, size in zip(frames, sizes, strict=True):
+        try:
+            if zstandard.frame_content_size(frame) != size:
+                raise CorruptData("a zstd plane does not hold the bytes its chunk needs")
+            out.append(dctx.decompress(frame))
+        except (zstandard.ZstdError, ValueError) as exc:
+            raise CorruptData(f"zstd plane does not decode: {exc}") from exc
+        if len(out[-1]) != size:
+            raise CorruptData("a zstd plane does not hold the bytes its chunk needs")
+    return out
