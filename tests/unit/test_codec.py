@@ -225,6 +225,33 @@ def test_forged_plane_tables_are_corrupt_data(plane: bytes, raw_len: int) -> Non
         decode_chunk("none/1|planes1/1|zstd/1", payload, None, 4, raw_len, b"\0" * 16)
 
 
+def _zstd_plane(frame: bytes) -> bytes:
+    return struct.pack("<BBI", 1, 1, len(frame)) + frame
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        zstandard.ZstdCompressor().compress(b"\1" * 32),  # states (and holds) 32 bytes, not 16
+        zstandard.ZstdCompressor().compress(b"\1" * 8),  # too few
+        # no stated size: the decoder would have to guess what to allocate
+        zstandard.ZstdCompressor(write_content_size=False).compress(b"\1" * 16),
+    ],
+)
+def test_zstd_planes_must_state_their_size(frame: bytes) -> None:
+    with pytest.raises(CorruptData):
+        decode_chunk("none/1|planes1/1|zstd/1", _zstd_plane(frame), None, 4, 16, b"\0" * 16)
+
+
+def test_a_zstd_plane_of_the_stated_size_decodes() -> None:
+    raw = b"\1" * 16
+    frame = zstandard.ZstdCompressor().compress(raw)
+    assert (
+        decode_chunk("none/1|planes1/1|zstd/1", _zstd_plane(frame), None, 4, 16, checksum(raw))
+        == raw
+    )
+
+
 def test_chunks_hold_the_same_elements_whatever_the_dtype() -> None:
     assert chunk_step(4, 1 << 20) == 1 << 20
     assert chunk_step(2, 1 << 20) == 1 << 19
