@@ -19,6 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
+        from ckptstore_service.api.protocol import BodyPiecesProtocol
         from ckptstore_service.app import create_app
         from ckptstore_service.settings import Settings
     except ImportError as exc:
@@ -37,6 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_keep_alive=30,
+        http=BodyPiecesProtocol,
     )
     return 0
 

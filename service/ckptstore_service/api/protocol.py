@@ -1,0 +1,61 @@
+"""uvicorn's httptools protocol, minus two copies of every request body byte.
+
+uvicorn (0.29-0.54) appends each piece of a body to a ``bytearray`` (``cycle.body += body``)
+and hands it to the app as ``bytes(cycle.body)``: two copies, on the event loop and holding
+the GIL, of every byte a save uploads, on top of the one httptools makes. Here the pieces are
+kept as they come and ``bytes()`` of them is the piece itself when there is one (the usual
+case: the app asks for more as soon as a piece arrives), their join otherwise. Flow control
+(pause reading above uvicorn's high-water mark) is unchanged. Measured on bench/ saves: the
+event loop thread's CPU time per save drops by a third (see README, Performance).
+
+Pass the class as ``uvicorn.run(..., http=BodyPiecesProtocol)``: ``Config.http`` takes a
+protocol class as well as a name.
+"""
+
+from __future__ import annotations
+
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+__all__ = ["BodyPieces", "BodyPiecesProtocol"]
+
+
+class BodyPieces:
+    """A request body's pieces since the app last received; ``bytes()`` joins them."""
+
+    __slots__ = ("pieces", "size")
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+        self.size = 0
+
+    def append(self, piece: bytes) -> None:
+        self.pieces.append(piece)
+        self.size += len(piece)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __bytes__(self) -> bytes:
+        if len(self.pieces) == 1:
+            return self.pieces[0]
+        return b"".join(self.pieces)
+
+
+class BodyPiecesProtocol(HttpToolsProtocol):
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
+            return
+        pending: object = cycle.body
+        if not isinstance(pending, BodyPieces):
+            # a new request, or the app just took the last pieces (receive() leaves an
+            # empty bytearray behind)
+            if len(cycle.body):
+                raise RuntimeError("uvicorn buffered body bytes outside BodyPiecesProtocol")
+            pending = BodyPieces()
+            setattr(cycle, "body", pending)  # noqa: B010 - typed as uvicorn's bytearray
+        pending.append(body)
+        if len(pending) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        cycle.message_event.set()

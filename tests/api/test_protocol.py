@@ -1,0 +1,106 @@
+"""The body-pieces protocol under a real uvicorn server: bodies arrive whole and in order."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import uvicorn
+
+from ckptstore_service.api.protocol import BodyPieces, BodyPiecesProtocol
+from serviceproc import free_port
+
+
+def test_one_piece_is_passed_on_as_it_is() -> None:
+    body = BodyPieces()
+    piece = os.urandom(1000)
+    body.append(piece)
+    assert len(body) == 1000
+    assert bytes(body) is piece  # no copy
+
+
+def test_pieces_are_joined_in_order() -> None:
+    body = BodyPieces()
+    for piece in (b"ab", b"", b"cde"):
+        body.append(piece)
+    assert len(body) == 5
+    assert bytes(body) == b"abcde"
+    assert bytes(BodyPieces()) == b""
+
+
+async def _echo_digest(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """An ASGI app that answers each request with its body's SHA-256 and size."""
+    if scope["type"] != "http":
+        return
+    digest, size, more = hashlib.sha256(), 0, True
+    while more:
+        message = await receive()
+        assert message["type"] == "http.request"
+        assert isinstance(message["body"], bytes)
+        digest.update(message["body"])
+        size += len(message["body"])
+        more = message.get("more_body", False)
+    out = json.dumps({"sha256": digest.hexdigest(), "size": size}).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": out})
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[int]:
+    port = free_port()
+    config = uvicorn.Config(
+        _echo_digest, host="127.0.0.1", port=port, http=BodyPiecesProtocol, log_level="error"
+    )
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    yield port
+    srv.should_exit = True
+    thread.join(10)
+
+
+def _post(port: int, body: bytes, *, chunked: bool) -> dict[str, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        if chunked:
+            pieces = (body[i : i + 100_000] for i in range(0, len(body), 100_000))
+            conn.request("POST", "/", body=pieces, encode_chunked=True)
+        else:
+            conn.request("POST", "/", body=body)
+        response = conn.getresponse()
+        assert response.status == 200
+        result: dict[str, Any] = json.loads(response.read())
+        return result
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("size", [0, 1, 65_537, 3_000_001])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_bodies_arrive_whole(server: int, size: int, chunked: bool) -> None:
+    body = os.urandom(size)
+    got = _post(server, body, chunked=chunked)
+    assert got == {"sha256": hashlib.sha256(body).hexdigest(), "size": size}
+
+
+def test_requests_on_one_connection_keep_their_bodies_apart(server: int) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=30)
+    try:
+        for size in (200_000, 10, 1_000_000):
+            body = os.urandom(size)
+            conn.request("POST", "/", body=body)
+            response = conn.getresponse()
+            assert json.loads(response.read())["sha256"] == hashlib.sha256(body).hexdigest()
+    finally:
+        conn.close()
