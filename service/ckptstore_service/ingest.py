@@ -398,6 +398,8 @@ def _store(
                     base_id = p.base.chunk_id
                     depth = p.base.depth + codec.is_delta(enc.codec)
                 position[(p.tensor_idx, p.offset)] = len(chunks)
+                if p.tensor_idx not in hashers:
+                    digests[p.tensor_idx] = enc.checksum
                 size = enc.size
                 for part in enc.parts:
                     writer.write(part)
@@ -417,14 +419,23 @@ def _store(
                 )
                 blob_offset += size
 
-        hashers = [xxhash.xxh3_128() for _ in header.tensors]
+        # A tensor that is one chunk has the chunk's checksum, which the codec thread computes
+        # anyway; only tensors of several chunks are hashed here, as they stream by.
+        digests: list[bytes | None] = [None] * len(header.tensors)
+        hashers = {
+            i: xxhash.xxh3_128()
+            for i, t in enumerate(header.tensors)
+            if not 0 < t.nbytes <= codec.chunk_step(t.itemsize, s.chunk_bytes)
+        }
         # Chunk buffers are recycled once encoded: fresh ones cost a page fault per 4 KiB.
         free: list[np.ndarray] = []
         largest = codec.chunk_step(8, s.chunk_bytes)
         block = buf = np.empty(0, np.uint8)
         for piece in _tensor_stream(parser, first, it):
             spec = header.tensors[piece.index]
-            hashers[piece.index].update(piece.data)
+            hasher = hashers.get(piece.index)
+            if hasher is not None:
+                hasher.update(piece.data)
             step_bytes = codec.chunk_step(spec.itemsize, s.chunk_bytes)
             data, pos = np.frombuffer(piece.data, np.uint8), piece.offset
             while len(data):
@@ -483,10 +494,12 @@ def _store(
         t_encoded = time.perf_counter()
         stored_bytes = writer.finish()
         t_durable = time.perf_counter()
-        tensors = [
-            TensorInfo(i, t.name, t.dtype, t.shape, t.begin, t.nbytes, h.digest())
-            for i, (t, h) in enumerate(zip(header.tensors, hashers, strict=True))
-        ]
+        for i, hasher in hashers.items():
+            digests[i] = hasher.digest()
+        tensors = []
+        for i, (t, digest) in enumerate(zip(header.tensors, digests, strict=True)):
+            assert digest is not None  # a one-chunk tensor's chunk was drained
+            tensors.append(TensorInfo(i, t.name, t.dtype, t.shape, t.begin, t.nbytes, digest))
         rt.catalog.commit_upload(
             checkpoint_id,
             parent_id=None if parent is None else parent.id,

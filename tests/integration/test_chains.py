@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import sqlite3
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import xxhash
 from torch import nn
 
 from ckptstore import CheckpointClient, CheckpointExists, CheckpointNotFound
@@ -184,3 +186,25 @@ def test_empty_tensors_reload(service: Service) -> None:
         client.save("empty", 2, {**state, "step": 2})
         assert_identical(client.load("empty", 1), state)  # decoded from storage
         assert_identical(client.load("empty"), {**state, "step": 2})  # from the base cache
+
+
+def test_tensor_checksums_are_the_xxh3_of_their_bytes(
+    make_service: Callable[..., Service], tmp_path: Any
+) -> None:
+    # a tensor of one chunk takes its chunk's checksum; one of several is hashed as it streams
+    svc = make_service({"CKPTSTORE_CHUNK_BYTES": str(64 << 10)}, tmp_path / "data")
+    state = {
+        "one": torch.randn(100),
+        "several": torch.randn(50_000),  # 200 KB: four chunks
+        "empty": torch.empty(0),
+        "edge": torch.randn(16 << 10),  # exactly one chunk
+    }
+    with CheckpointClient(svc.url) as client:
+        client.save("sums", 1, state)
+    db = sqlite3.connect(tmp_path / "data" / "catalog.sqlite3")
+    try:
+        stored = dict(db.execute("SELECT name, checksum FROM tensors").fetchall())
+    finally:
+        db.close()
+    expected = {k: xxhash.xxh3_128_digest(tensor_bytes(t)) for k, t in state.items()}
+    assert stored == expected
