@@ -188,12 +188,10 @@ class CheckpointClient:
         self, run: str, step: int, state: object, *, progress: bool | None = None
     ) -> CheckpointInfo:
         """Store ``state`` (a nested state dict) as checkpoint ``step`` of ``run``."""
-        from ckptstore.state import dtype_to_wire, flatten, tensor_bytes
+        from ckptstore.state import dtype_to_wire, flatten, tensor_bytes, upload_order
 
         flat = flatten(state)
-        # Wider dtypes first: the service predicts a bf16 copy from its fp32 master only once
-        # the master has arrived (the order is free: the skeleton refers to names).
-        ordered = sorted(flat.tensors, key=lambda nt: -nt[1].element_size())
+        ordered = upload_order(flat.tensors)
         specs = [(name, dtype_to_wire(t.dtype), tuple(t.shape)) for name, t in ordered]
         prefix, header = encode_header(specs, {"format": FORMAT, "skeleton": flat.skeleton})
         show = self.progress if progress is None else progress

@@ -60,6 +60,7 @@ import torch
 
 __all__ = [
     "flatten",
+    "upload_order",
     "unflatten",
     "referenced_tensors",
     "dtype_to_wire",
@@ -437,6 +438,19 @@ def flatten(state: object) -> FlatState:
     except RecursionError:
         raise ValueError("state is nested too deeply") from None
     return FlatState(tensors=flattener.tensors, skeleton=skeleton)
+
+
+def upload_order(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The order a save streams ``tensors`` in (free: the skeleton names them).
+
+    Wider dtypes first: the service predicts a bf16 copy from its fp32 master only once the
+    master has arrived. Within a width, larger tensors first: the service encodes chunks under
+    64 KiB in the thread that parses the upload, and with them at the end that work overlaps
+    the codec threads' last large chunks instead of stalling the stream in between (fine-tune
+    saves of bench/: 10% shorter on average over 7 interleaved pairs, each pair shorter).
+    Ties keep the state's order.
+    """
+    return sorted(tensors, key=lambda nt: (-nt[1].element_size(), -nt[1].numel()))
 
 
 # ------------------------------------------------------------------------------- unflatten

@@ -29,6 +29,7 @@ from ckptstore.state import (
     tensor_bytes,
     tensor_from_bytes,
     unflatten,
+    upload_order,
 )
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -1035,3 +1036,15 @@ def test_property_prefix(state: object, prefix: str) -> None:
     assert set(needed) <= set(wire)
     back = unflatten(flat.skeleton, {n: wire[n] for n in needed}, prefix=prefix)
     assert_identical(prune(full, prefix), back)
+
+
+def test_uploads_send_wider_then_larger_tensors_first() -> None:
+    tensors = [
+        ("bias", torch.zeros(4)),
+        ("half", torch.zeros(1000, dtype=torch.bfloat16)),
+        ("weight", torch.zeros(100)),
+        ("steps", torch.zeros(3, dtype=torch.int64)),
+        ("also_bias", torch.zeros(4)),
+    ]
+    order = [name for name, _ in upload_order(tensors)]
+    assert order == ["steps", "weight", "bias", "also_bias", "half"]
