@@ -171,7 +171,7 @@ class _Pending:
     itemsize: int
     base: _BaseChunk | None
     cast: _CastFrom | None
-    block: np.ndarray  # the recycled buffer that holds the raw chunk
+    block: np.ndarray | None  # the recycled buffer that holds the raw chunk (None: encoded)
     future: Future[codec.EncodedChunk]
 
 
@@ -381,14 +381,25 @@ def _store(
         needed = set(sources.values())
         written: dict[tuple[int, int], threading.Event] = {}
         blob_offset = 0
-        max_pending = rt.in_flight
+        # Chunks in flight in the codec pool hold a buffer each: at most ``in_flight`` of them.
+        # Small chunks, encoded here at once, hold only their encoded bytes while they wait
+        # for the chunks before them to be written: up to as many raw bytes as the buffers.
+        # They do not wait on the pool: the ingest goes on parsing (a state's many small
+        # tensors come last, see ckptstore.state.upload_order) while the pool finishes.
+        max_held = rt.in_flight
+        max_small = rt.in_flight * s.chunk_bytes
+        held = small = 0
 
-        def drain(limit: int) -> None:
-            nonlocal blob_offset
-            while len(pending) > limit:
+        def drain(final: bool) -> None:
+            nonlocal blob_offset, held, small
+            while pending and (final or held > max_held or small > max_small):
                 p = pending.popleft()
                 enc = p.future.result()
-                free.append(p.block)
+                if p.block is None:
+                    small -= p.raw_len
+                else:
+                    free.append(p.block)
+                    held -= 1
                 base_id, depth = None, 0
                 if p.cast is not None and codec.split_cast(enc.codec):
                     siblings[len(chunks)] = position[p.cast.source]
@@ -468,8 +479,8 @@ def _store(
                 if piece.index in needed:
                     done = written[(piece.index, begin)] = threading.Event()
                 # a small chunk costs less to encode here than to hand to a codec thread
-                submit = _inline if end - begin < _INLINE_BYTES else rt.pool.submit
-                future = submit(
+                inline = end - begin < _INLINE_BYTES
+                future = (_inline if inline else rt.pool.submit)(
                     _encode_job,
                     buf,
                     spec.itemsize,
@@ -483,14 +494,26 @@ def _store(
                     done,
                     block[largest:],
                 )
+                if inline:  # encoded: what it returned holds bytes of its own
+                    free.append(block)
+                    small += end - begin
+                else:
+                    held += 1
                 pending.append(
                     _Pending(
-                        piece.index, begin, end - begin, spec.itemsize, base, cast, block, future
+                        piece.index,
+                        begin,
+                        end - begin,
+                        spec.itemsize,
+                        base,
+                        cast,
+                        None if inline else block,
+                        future,
                     )
                 )
-                drain(max_pending)
+                drain(final=False)
         t_body = time.perf_counter()
-        drain(0)
+        drain(final=True)
         t_encoded = time.perf_counter()
         stored_bytes = writer.finish()
         t_durable = time.perf_counter()
