@@ -281,7 +281,7 @@ def _pack_planes(
     it is allowed (``kinds`` per plane; every way if None): zstd, sparse, or raw when neither
     gets below ``gain`` x its size. Returns (mode, total size, the planes as stored).
     Each compression is one ``compress`` on the thread's context (``multi_compress_to_buffer``
-    sets up a fresh context per call: ~23 us, 12% of bench/'s encode time). This runs for
+    sets up a fresh context per call: ~25 us, 12% of bench/'s encode time). This runs for
     every chunk, holding the GIL between its kernels: sizes are plain ints, compared in plain
     loops."""
     jobs: list[Buffer] = []
@@ -562,8 +562,7 @@ def decode_chain(
         if link.mode == planes.MODES["none"] or not is_delta(codec):
             raise CorruptData(f"{codec} chunk in the middle of a chain")
         parsed.append(link)
-    # a link's zstd frames in one call: one GIL release per link instead of one per plane,
-    # with one link's planes in memory at a time
+    # link by link: one link's planes in memory at a time
     for link in parsed:
         table = link.table
         size = link.size // len(table)
@@ -668,7 +667,7 @@ def _decompress_all(frames: list[memoryview], sizes: list[int]) -> list[Any]:
         try:
             if zstandard.frame_content_size(frame) != size:
                 raise CorruptData("a zstd plane does not hold the bytes its chunk needs")
-            out.append(dctx.decompress(frame))
+            out.append(dctx.decompress(frame, allow_extra_data=False))
         except (zstandard.ZstdError, ValueError) as exc:
             raise CorruptData(f"zstd plane does not decode: {exc}") from exc
         if len(out[-1]) != size:

@@ -1,9 +1,10 @@
 """Save path: stream -> parse -> delta -> compress -> blob -> commit.
 
 :func:`ingest` runs in a worker thread and consumes the request body as an iterator of byte
-pieces (fed by the event loop, see ``api/body.py``). It never holds more than a few
-chunks: the body is parsed as it arrives, each full chunk is handed to the codec pool together
-with the location of its base in the parent's cached data, encoded chunks are appended in
+pieces (fed by the event loop, see ``api/body.py``). It holds a bounded amount whatever the
+checkpoint's size: a few chunks in the codec pool, and small chunks it encoded itself up to a
+byte budget. The body is parsed as it arrives, each full chunk is handed to the codec pool with
+the location of its base in the parent's cached data, encoded chunks are appended in
 order to the checkpoint's blob by a writer thread, and the raw bytes are written to a new base
 cache file. After the last byte the blob is finished (durable) and one transaction commits the
 checkpoint. Any failure aborts the blob, discards the cache file and deletes the ``writing``
@@ -29,7 +30,7 @@ import numpy as np
 import xxhash
 
 from ckptstore import codec
-from ckptstore.errors import CheckpointExists, InvalidStream
+from ckptstore.errors import CheckpointExists, InternalError, InvalidStream
 from ckptstore.wire import Header, StreamParser, TensorPiece
 from ckptstore_service.cache import open_reader
 from ckptstore_service.catalog import CheckpointInfo, NewChunk, TensorInfo
@@ -43,6 +44,8 @@ _END = object()
 # chunks smaller than this are encoded by the ingest thread itself: a hand-off to a codec
 # thread (two wake-ups) costs more than encoding a few KiB
 _INLINE_BYTES = 64 << 10
+# what a small chunk waiting to be written counts for, at least, against the ingest's budget
+_SMALL_COST = 16 << 10
 
 log = logging.getLogger("ckptstore")
 
@@ -326,14 +329,15 @@ def _verify_existing(
     first: list[TensorPiece],
     it: Iterator[bytes],
 ) -> CheckpointInfo:
-    stored = rt.catalog.tensors(existing.id)
-    same_layout = existing.metadata == header.metadata and [
-        (t.name, t.dtype, t.shape) for t in stored
-    ] == [(t.name, t.dtype, t.shape) for t in header.tensors]
+    # by name: the order of the tensors in the stream is free (clients have changed it)
+    stored = {t.name: (t.dtype, t.shape, t.checksum) for t in rt.catalog.tensors(existing.id)}
     hashers = [xxhash.xxh3_128() for _ in header.tensors]
     for piece in _tensor_stream(parser, first, it):
         hashers[piece.index].update(piece.data)
-    if same_layout and [h.digest() for h in hashers] == [t.checksum for t in stored]:
+    sent = {
+        t.name: (t.dtype, t.shape, h.digest()) for t, h in zip(header.tensors, hashers, strict=True)
+    }
+    if existing.metadata == header.metadata and sent == stored:
         return existing
     raise CheckpointExists(
         f"run {existing.run!r} already has a different checkpoint at step {existing.step}"
@@ -382,10 +386,11 @@ def _store(
         written: dict[tuple[int, int], threading.Event] = {}
         blob_offset = 0
         # Chunks in flight in the codec pool hold a buffer each: at most ``in_flight`` of them.
-        # Small chunks, encoded here at once, hold only their encoded bytes while they wait
-        # for the chunks before them to be written: up to as many raw bytes as the buffers.
-        # They do not wait on the pool: the ingest goes on parsing (a state's many small
-        # tensors come last, see ckptstore.state.upload_order) while the pool finishes.
+        # Small chunks, encoded here at once, hold only what they encoded while they wait for
+        # the chunks before them to be written, and do not wait on the pool: the ingest goes
+        # on parsing (a state's many small tensors come last, see upload_order in
+        # ckptstore.state) while the pool finishes. Each counts at least _SMALL_COST bytes
+        # (its future and bookkeeping weigh ~1 KB): at most in_flight x chunk_bytes of them.
         max_held = rt.in_flight
         max_small = rt.in_flight * s.chunk_bytes
         held = small = 0
@@ -396,7 +401,7 @@ def _store(
                 p = pending.popleft()
                 enc = p.future.result()
                 if p.block is None:
-                    small -= p.raw_len
+                    small -= max(p.raw_len, _SMALL_COST)
                 else:
                     free.append(p.block)
                     held -= 1
@@ -496,7 +501,8 @@ def _store(
                 )
                 if inline:  # encoded: what it returned holds bytes of its own
                     free.append(block)
-                    small += end - begin
+                    small += max(end - begin, _SMALL_COST)
+                    future.result()  # a failure stops the upload now, not at the next drain
                 else:
                     held += 1
                 pending.append(
@@ -521,7 +527,8 @@ def _store(
             digests[i] = hasher.digest()
         tensors = []
         for i, (t, digest) in enumerate(zip(header.tensors, digests, strict=True)):
-            assert digest is not None  # a one-chunk tensor's chunk was drained
+            if digest is None:
+                raise InternalError(f"tensor {t.name!r} of one chunk got no chunk checksum")
             tensors.append(TensorInfo(i, t.name, t.dtype, t.shape, t.begin, t.nbytes, digest))
         rt.catalog.commit_upload(
             checkpoint_id,

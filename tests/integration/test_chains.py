@@ -17,7 +17,8 @@ import xxhash
 from torch import nn
 
 from ckptstore import CheckpointClient, CheckpointExists, CheckpointNotFound
-from ckptstore.state import tensor_bytes
+from ckptstore import state as state_module
+from ckptstore.state import tensor_bytes, upload_order
 from serviceproc import Service
 
 KEYFRAME_INTERVAL = 4
@@ -150,6 +151,34 @@ def test_prefix_idempotent_retry_and_conflict(
         assert middle.parent_step == 7
         assert_identical(client.load("retry"), states[2])
         assert_identical(client.load("retry", 8), states[1])
+
+
+def test_a_retry_in_another_tensor_order_is_the_same_checkpoint(
+    service: Service, states: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an older (or other) client streams the same tensors in another order
+    with CheckpointClient(service.url) as client:
+        first = client.save("order", 1, states[0])
+        monkeypatch.setattr(
+            state_module, "upload_order", lambda tensors: upload_order(tensors)[::-1]
+        )
+        assert client.save("order", 1, states[0]) == first
+        with pytest.raises(CheckpointExists):
+            client.save("order", 1, states[1])
+        assert_identical(client.load("order", 1), states[0])
+
+
+def test_many_small_tensors_after_a_large_one(service: Service) -> None:
+    # the small ones are encoded in the ingest thread and queue up behind the large one
+    g = torch.Generator().manual_seed(3)
+    state = {"big": torch.randn(3_000_000, generator=g)}
+    state |= {f"small{i}": torch.randn(1 + i % 50, generator=g) for i in range(3000)}
+    with CheckpointClient(service.url) as client:
+        client.save("small", 1, state)
+        nxt = {k: v * 1.001 if k.startswith("small1") else v for k, v in state.items()}
+        client.save("small", 2, nxt)
+        assert_identical(client.load("small", 1), state)
+        assert_identical(client.load("small", 2), nxt)
 
 
 def test_bf16_weights_are_predicted_from_their_fp32_master(service: Service) -> None:

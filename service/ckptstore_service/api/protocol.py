@@ -10,7 +10,10 @@ fine-tune checkpoints (117 MB each): the event loop thread's CPU time went from 
 0.83-0.84 s.
 
 Pass the class as ``uvicorn.run(..., http=BodyPiecesProtocol)``: ``Config.http`` takes a
-protocol class as well as a name.
+protocol class as well as a name. It relies on how uvicorn's request cycle holds the body
+(``cycle.body``, read with ``bytes()`` and reset to an empty ``bytearray`` by ``receive``), so
+pyproject.toml keeps uvicorn below the next minor release; ``tests/api/test_protocol.py``
+checks it under a real server.
 """
 
 from __future__ import annotations
@@ -51,10 +54,11 @@ class BodyPiecesProtocol(HttpToolsProtocol):
         pending: object = cycle.body
         if not isinstance(pending, BodyPieces):
             # a new request, or the app just took the last pieces (receive() leaves an
-            # empty bytearray behind)
-            if len(cycle.body):
-                raise RuntimeError("uvicorn buffered body bytes outside BodyPiecesProtocol")
+            # empty bytearray behind); bytes buffered some other way come first
+            leftover = bytes(cycle.body)
             pending = BodyPieces()
+            if leftover:
+                pending.append(leftover)
             setattr(cycle, "body", pending)  # noqa: B010 - typed as uvicorn's bytearray
         pending.append(body)
         if len(pending) > HIGH_WATER_LIMIT:
