@@ -6,6 +6,7 @@ import hashlib
 import http.client
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -42,13 +43,16 @@ async def _echo_digest(scope: dict[str, Any], receive: Any, send: Any) -> None:
     digest, size, more = hashlib.sha256(), 0, True
     while more:
         message = await receive()
+        if message["type"] == "http.disconnect":
+            return  # the client left mid-body
         assert message["type"] == "http.request"
         assert isinstance(message["body"], bytes)
         digest.update(message["body"])
         size += len(message["body"])
         more = message.get("more_body", False)
     out = json.dumps({"sha256": digest.hexdigest(), "size": size}).encode()
-    await send({"type": "http.response.start", "status": 200, "headers": []})
+    headers = [(b"content-length", str(len(out)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": out})
 
 
@@ -104,3 +108,28 @@ def test_requests_on_one_connection_keep_their_bodies_apart(server: int) -> None
             assert json.loads(response.read())["sha256"] == hashlib.sha256(body).hexdigest()
     finally:
         conn.close()
+
+
+def test_expect_100_continue(server: int) -> None:
+    body = os.urandom(300_000)
+    with socket.create_connection(("127.0.0.1", server), timeout=30) as sock:
+        sock.sendall(
+            b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        )
+        assert sock.recv(1024).startswith(b"HTTP/1.1 100 Continue")
+        sock.sendall(body)
+        answer = b""
+        while b"}" not in answer:
+            data = sock.recv(65536)
+            assert data, "connection closed before the answer"
+            answer += data
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["sha256"] == hashlib.sha256(body).hexdigest()
+
+
+def test_a_client_that_leaves_mid_body_does_not_disturb_the_next(server: int) -> None:
+    with socket.create_connection(("127.0.0.1", server), timeout=30) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n")
+        sock.sendall(os.urandom(400_000))  # then gone
+    body = os.urandom(500_000)
+    assert _post(server, body, chunked=False)["sha256"] == hashlib.sha256(body).hexdigest()
