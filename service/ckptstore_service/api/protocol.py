@@ -1,6 +1,6 @@
 """uvicorn's httptools protocol, minus two copies of every request body byte.
 
-uvicorn (0.29-0.54) appends each piece of a body to a ``bytearray`` (``cycle.body += body``)
+uvicorn (0.42-0.54) appends each piece of a body to a ``bytearray`` (``cycle.body += body``)
 and hands it to the app as ``bytes(cycle.body)``: two copies, on the event loop and holding
 the GIL, of every byte a save uploads, on top of the one httptools makes. Here the pieces are
 kept as they come and ``bytes()`` of them is the piece itself when there is one (the usual
@@ -11,9 +11,10 @@ fine-tune checkpoints (117 MB each): the event loop thread's CPU time went from 
 
 Pass the class as ``uvicorn.run(..., http=BodyPiecesProtocol)``: ``Config.http`` takes a
 protocol class as well as a name. It relies on how uvicorn's request cycle holds the body
-(``cycle.body``, read with ``bytes()`` and reset to an empty ``bytearray`` by ``receive``), so
-pyproject.toml keeps uvicorn below the next minor release; ``tests/api/test_protocol.py``
-checks it under a real server.
+(``cycle.body``, read with ``bytes()`` and reset to an empty ``bytearray`` by ``receive``;
+0.41 and older hand the app ``cycle.body`` itself), so pyproject.toml keeps uvicorn within
+0.42-0.54, the versions whose source does that; ``tests/api/test_protocol.py`` checks it under
+a real server.
 """
 
 from __future__ import annotations
