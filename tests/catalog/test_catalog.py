@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from sqlalchemy import event
 
 from ckptstore.errors import CheckpointExists, CheckpointNotFound, RunNotFound
 from ckptstore_service.catalog import Catalog, NewChunk, TensorInfo
@@ -102,6 +103,32 @@ def test_chunk_closure_follows_chains(catalog: Catalog) -> None:
     c = commit(catalog, "c", 3, parent_id=b, chunks=[ref])
     closure = catalog.chunk_closure(catalog.chunks(c))
     assert set(closure) == {ca.id, cb.id, catalog.chunks(c)[0].id}
+
+
+def test_chunk_closure_reaches_the_ends_of_deep_chains_in_one_query(catalog: Catalog) -> None:
+    # two tensors' chunks: one chain 9 links deep, one that starts over at step 5; the
+    # closure of the last checkpoint holds every link of both, and nothing else
+    first = commit(catalog, "deep", 0)
+    (start,) = catalog.chunks(first)
+    ids, parent, tip = [start.id], first, start.id
+    other: list[int] = []
+    for step in range(1, 10):
+        delta = NewChunk(0, 0, 100, 4, "zsub/1|planes4/1|zstd/1", tip, step, 0, 10, b"\3" * 16)
+        if step < 5:
+            second = NewChunk(1, 0, 100, 4, "none/1|planes4/1|zstd/1", None, 0, 10, 40, b"\4" * 16)
+        else:
+            base = other[-1]
+            second = NewChunk(1, 0, 100, 4, "xor/1|planes4/1|zstd/1", base, 1, 50, 10, b"\4" * 16)
+        parent = commit(catalog, "deep", step, parent_id=parent, chunks=[delta, second])
+        tip, top = (c.id for c in catalog.chunks(parent))
+        ids.append(tip)
+        other.append(top)
+    chunks = catalog.chunks(parent)
+    statements: list[str] = []
+    event.listen(catalog.engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+    closure = catalog.chunk_closure(chunks)
+    assert sorted(closure) == sorted(ids + other[3:])
+    assert len(statements) == 1, statements
 
 
 def test_run_lock_serializes_writers_across_catalogs(database_url: str) -> None:

