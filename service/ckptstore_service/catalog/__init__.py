@@ -529,15 +529,6 @@ class Catalog:
         with self._session() as s:
             return [self._chunk(r) for r in s.execute(query).all()]
 
-    def chunks_by_id(self, ids: Iterable[int]) -> dict[int, ChunkInfo]:
-        wanted = sorted(set(ids))
-        out: dict[int, ChunkInfo] = {}
-        with self._session() as s:
-            for i in range(0, len(wanted), 500):
-                query = self._chunk_query().where(Chunk.id.in_(wanted[i : i + 500]))
-                out.update((c.id, c) for c in map(self._chunk, s.execute(query).all()))
-        return out
-
     def chunk_closure(self, chunks: Iterable[ChunkInfo]) -> dict[int, ChunkInfo]:
         """``chunks`` plus every chunk their chains reach, by id: one recursive query per
         500 chains rather than one query per link (a chain 8 deep took 8 round trips, 20-35
