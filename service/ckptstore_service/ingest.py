@@ -74,10 +74,10 @@ class _BaseChunk:
 
 
 def _base_index(
-    rt: Runtime, parent: CheckpointInfo
+    rt: Runtime, parent: CheckpointInfo, tensors: dict[int, TensorInfo]
 ) -> dict[tuple[str, str, tuple[int, ...], int, int], _BaseChunk]:
-    """Where each chunk of the parent lives: keyed by (name, dtype, shape, offset, length)."""
-    tensors = {t.idx: t for t in rt.catalog.tensors(parent.id)}
+    """Where each chunk of the parent (``tensors``: its tensors by index) lives: keyed by
+    (name, dtype, shape, offset, length)."""
     index = {}
     for c in rt.catalog.chunks(parent.id):
         t = tensors[c.tensor_idx]
@@ -87,6 +87,15 @@ def _base_index(
             target, c.depth, t.begin + c.offset
         )
     return index
+
+
+def _same_offsets(parent: Iterable[TensorInfo], header: Header) -> bool:
+    """Whether every tensor of ``header`` that the parent also has (same name, dtype and
+    shape) lies at the same offset in both data sections. Then each chunk's base sits where
+    the chunk itself goes: a save can overwrite its base file in place, each chunk right
+    after reading its base, and nothing it still has to read is overwritten first."""
+    begins = {(t.name, t.dtype, t.shape): t.begin for t in parent}
+    return all(begins.get((t.name, t.dtype, t.shape), t.begin) == t.begin for t in header.tensors)
 
 
 def unbatched(items: Iterable[object], end: object) -> Iterator[Any]:
@@ -358,12 +367,16 @@ def _store(
     parent = rt.catalog.parent_of(run, step)
     keyframe = parent is None or parent.since_keyframe + 1 >= s.keyframe_interval
     base_fd = None
+    cache_tmp = None
     index: dict[tuple[str, str, tuple[int, ...], int, int], _BaseChunk] = {}
     if parent is not None:
-        index = _base_index(rt, parent)
+        parent_tensors = {t.idx: t for t in rt.catalog.tensors(parent.id)}
+        index = _base_index(rt, parent, parent_tensors)
         base_fd = rt.cache.open(run, parent.id)
         if base_fd is None:
             base_fd = _rebuild_base(rt, run, parent)
+        if _same_offsets(parent_tensors.values(), header):
+            cache_tmp = rt.cache.take(run, parent.id, base_fd)
     try:
         run_id = rt.catalog.ensure_run(run)
         blob_key = f"runs/{run}/{step}-{uuid.uuid4().hex}.blob"
@@ -371,8 +384,11 @@ def _store(
     except BaseException:
         if base_fd is not None:
             os.close(base_fd)
+        if cache_tmp is not None:
+            rt.cache.discard(cache_tmp)  # the cache lost the parent: a later save rebuilds it
         raise
-    cache_tmp = rt.cache.new_file(run)
+    if cache_tmp is None:
+        cache_tmp = rt.cache.new_file(run)
     cache_fd = os.open(cache_tmp, os.O_RDWR | os.O_CREAT, 0o600)
     writer = _BlobWriter(rt.store, blob_key)
     committed = False

@@ -7,6 +7,7 @@ import math
 import random
 import sqlite3
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,8 @@ from torch import nn
 from ckptstore import CheckpointClient, CheckpointExists, CheckpointNotFound
 from ckptstore import state as state_module
 from ckptstore.state import tensor_bytes, upload_order
-from serviceproc import Service
+from ckptstore.wire import FORMAT, encode_header
+from serviceproc import Service, partial_upload
 
 KEYFRAME_INTERVAL = 4
 
@@ -128,6 +130,53 @@ def test_every_checkpoint_reloads_bit_exactly(
         for i, state in enumerate(states):
             assert_identical(client.load("mlp", 10 * i), state)
         assert_identical(client.load("mlp", "latest"), extra)
+
+
+def test_a_save_overwrites_its_base_file_in_place_and_a_cut_upload_drops_it(
+    make_service: Callable[..., Service], tmp_path: Any
+) -> None:
+    data_dir = tmp_path / "data"
+    svc = make_service({"CKPTSTORE_CHUNK_BYTES": str(64 << 10)}, data_dir)
+    cache = data_dir / "cache" / "slot-0"
+    g = torch.Generator().manual_seed(3)
+    n = 1 << 20
+    states = [{"w": torch.randn(n, generator=g)}]
+    for _ in range(3):
+        states.append({"w": states[-1]["w"] + 1e-3 * torch.randn(n, generator=g)})
+    with CheckpointClient(svc.url) as client:
+        client.save("ip", 1, states[0])
+        (first,) = cache.glob("*.bin")
+        inode = first.stat().st_ino
+        client.save("ip", 2, states[1])
+        (second,) = cache.glob("*.bin")
+        assert second.name != first.name and second.stat().st_ino == inode  # overwritten
+        assert list((cache / "tmp").iterdir()) == []  # no second file for the run
+
+        # an upload cut off midway, after it began to overwrite checkpoint 2's file
+        prefix, header = encode_header([("w", "F32", (n,))], {"format": FORMAT})
+        new = tensor_bytes(states[2]["w"])
+        sock = partial_upload(svc.url, "ip", 3, prefix + bytes(new[: 2 * n]), header.total_len)
+        deadline = time.monotonic() + 20
+        while list(cache.glob("*.bin")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert list(cache.glob("*.bin")) == []  # taken out of the cache: loads miss
+        sock.close()
+        while list((cache / "tmp").iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert list((cache / "tmp").iterdir()) == []  # half overwritten: dropped
+        assert [c.step for c in client.list("ip")] == [1, 2]
+        assert_identical(client.load("ip"), states[1])  # decoded from storage
+        client.save("ip", 3, states[2])
+        (third,) = cache.glob("*.bin")
+        inode = third.stat().st_ino
+
+        # a larger tensor added goes first and moves ``w``: the save writes a file of its own
+        moved = {"big": torch.ones(n + 1000), **states[3]}
+        client.save("ip", 4, moved)
+        (fourth,) = cache.glob("*.bin")
+        assert fourth.stat().st_ino != inode
+        for step, state in zip((1, 2, 3, 4), [*states[:3], moved], strict=True):
+            assert_identical(client.load("ip", step), state)
 
 
 def test_prefix_idempotent_retry_and_conflict(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
+
+import pytest
 
 from ckptstore_service.cache import BaseCache
 
@@ -152,3 +155,35 @@ def test_files_in_slots_no_process_holds_are_deleted(tmp_path: Path) -> None:
     assert sorted(p.name for p in live.folder.rglob("*")) == kept
     other.close()
     live.close()
+
+
+def test_a_save_takes_its_base_to_overwrite_unless_another_reader_holds_it(
+    tmp_path: Path,
+) -> None:
+    cache = BaseCache(tmp_path, max_bytes=10_000)
+    install(cache, "r", 1, 1000)
+    inode = os.stat(cache.folder / "1.bin").st_ino
+    base = cache.open("r", 1)  # the save reads its base through this
+    other = cache.open("r", 1)  # a load of latest, still streaming
+    assert base is not None and other is not None
+    old = os.pread(base, 2000, 0)
+    assert cache.take("r", 1, base) is None  # the load would read the new bytes
+    assert read(cache, "r", 1) == old  # still cached
+    os.close(other)
+    probe = os.open(cache.folder / "1.bin", os.O_RDONLY)
+    with pytest.raises(BlockingIOError):  # the failed take left ``base`` its shared lock
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(probe)
+    assert cache.take("r", 2, base) is None  # not the cached checkpoint
+    path = cache.take("r", 1, base)
+    assert path is not None and os.stat(path).st_ino == inode
+    assert cache.open("r", 1) is None  # out of the cache: later loads miss
+    assert os.pread(base, 2000, 0) == old
+    fd = os.open(path, os.O_WRONLY)
+    os.pwrite(fd, b"y" * 800, 0)
+    os.close(fd)
+    os.close(base)
+    cache.install("r", 2, path, 800)
+    assert read(cache, "r", 2) == b"y" * 800
+    assert os.stat(cache.folder / "2.bin").st_ino == inode
+    assert list((cache.folder / "tmp").iterdir()) == []  # one file for the run, no spare
