@@ -10,6 +10,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import event
+from sqlalchemy.engine.interfaces import CacheStats
 
 from ckptstore.errors import CheckpointExists, CheckpointNotFound, RunNotFound
 from ckptstore_service.catalog import Catalog, NewChunk, TensorInfo
@@ -129,6 +130,32 @@ def test_chunk_closure_reaches_the_ends_of_deep_chains_in_one_query(catalog: Cat
     closure = catalog.chunk_closure(chunks)
     assert sorted(closure) == sorted(ids + other[3:])
     assert len(statements) == 1, statements
+
+
+def test_warm_up_compiles_every_statement_of_a_restore(database_url: str, catalog: Catalog) -> None:
+    first = commit(catalog, "warm", 0)
+    (start,) = catalog.chunks(first)
+    delta = NewChunk(0, 0, 100, 4, "zsub/1|planes4/1|zstd/1", start.id, 1, 0, 10, b"\3" * 16)
+    commit(catalog, "warm", 1, parent_id=first, chunks=[delta])
+
+    def restore_reads(warm: bool) -> list[object]:
+        """A fresh catalog (a new engine: nothing compiled) reads what a restore of step 1
+        reads; SQLAlchemy's cache verdict on each statement."""
+        fresh = Catalog(database_url)
+        if warm:
+            fresh.warm_up()
+        verdicts: list[object] = []
+        event.listen(
+            fresh.engine, "after_cursor_execute", lambda *a: verdicts.append(a[4].cache_hit)
+        )
+        info = fresh.get("warm", 1)
+        assert len(fresh.tensors(info.id)) == 1
+        assert len(fresh.chunk_closure(fresh.chunks(info.id))) == 2
+        fresh.close()
+        return verdicts
+
+    assert CacheStats.CACHE_MISS in restore_reads(warm=False)  # the test can tell
+    assert set(restore_reads(warm=True)) == {CacheStats.CACHE_HIT}
 
 
 def test_run_lock_serializes_writers_across_catalogs(database_url: str) -> None:

