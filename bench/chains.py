@@ -16,6 +16,20 @@ the first checkpoint on its own, chunks of 4 MiB of fp32), once per codec varian
 For each it prints the bytes stored over the run, and for the last checkpoint (the deepest
 in its chain) the links a restore decodes and the CPU time of decoding them on one thread
 (best of 3). Run on an idle machine: the times are single-thread CPU seconds.
+
+Then, with the default codec, the shape of the chain: which earlier checkpoint each one is a
+delta of (checkpoint 0 is the keyframe):
+
+* ``linear``: the previous one (what the service does);
+* ``anchor 4``: checkpoint 4 a delta of 0, the others of the previous one (a chain at most
+  5 deep over 9 checkpoints);
+* ``anchors 4,6,8``: as ``anchor 4``, and 6 and 8 deltas of 4 and 6 (at most 3 deep);
+* ``skip``: Subversion's skip-deltas, ``k`` a delta of ``k`` with its lowest set bit cleared
+  (at most log2 deep).
+
+It prints the bytes, and for the deepest checkpoint its depth, links and decode time: what a
+shallower chain buys in restore work and costs in bytes, because a delta across several
+checkpoints is larger than one across one.
 """
 
 from __future__ import annotations
@@ -62,12 +76,35 @@ def variant(name: str) -> Iterator[float]:
         codec._scale_factor, codec._PLANE_GAIN = saved
 
 
-def measure(states: list[Chunks], min_gain: float) -> tuple[int, int, float]:
-    """Bytes stored; links and decode CPU seconds of the last checkpoint's restore."""
+def linear(k: int) -> int:
+    return k - 1
+
+
+SHAPES: dict[str, Callable[[int], int]] = {
+    "linear": linear,
+    "anchor 4": lambda k: 0 if k == 4 else k - 1,
+    "anchors 4,6,8": lambda k: 0 if k == 4 else k - 2 if k in (6, 8) else k - 1,
+    "skip": lambda k: k & (k - 1),
+}
+
+
+def chain_of(k: int, parent: Callable[[int], int]) -> list[int]:
+    """Checkpoint ``k``'s chain, from the keyframe (0) to ``k``."""
+    chain = [k]
+    while chain[-1]:
+        chain.append(parent(chain[-1]))
+    return chain[::-1]
+
+
+def measure(
+    states: list[Chunks], min_gain: float, parent: Callable[[int], int] = linear
+) -> tuple[int, list[int], int, float]:
+    """Bytes stored; the chain, links and decode CPU seconds of the deepest checkpoint's
+    restore (the latest of the deepest), each checkpoint ``k > 0`` a delta of ``parent(k)``."""
     stored = 0
     history: list[dict[tuple[str, int], codec.EncodedChunk]] = []
     for k, state in enumerate(states):
-        prev = states[k - 1] if k else {}
+        prev = states[parent(k)] if k else {}
         encoded = {}
         for key, (raw, itemsize) in state.items():
             base = prev.get(key, (None, 0))[0]
@@ -75,24 +112,25 @@ def measure(states: list[Chunks], min_gain: float) -> tuple[int, int, float]:
             encoded[key] = enc
             stored += len(enc.payload)
         history.append(encoded)
+    deep = chain_of(max(range(len(states)), key=lambda k: (len(chain_of(k, parent)), k)), parent)
     jobs = []
-    for key, (raw, itemsize) in states[-1].items():
+    for key, (raw, itemsize) in states[deep[-1]].items():
         links: list[tuple[str, bytes]] = []
-        for k in range(len(history) - 1, -1, -1):
+        for k in reversed(deep):
             enc = history[k][key]
             if enc.codec == codec.REF:
                 continue
             links.append((enc.codec, enc.payload))
             if not codec.is_delta(enc.codec):
                 break
-        jobs.append((links[::-1], itemsize, len(raw), history[-1][key].checksum))
+        jobs.append((links[::-1], itemsize, len(raw), history[deep[-1]][key].checksum))
     best = float("inf")
     for _ in range(3):
         t0 = time.process_time()
         for links, itemsize, raw_len, digest in jobs:
             codec.decode_chain(links, itemsize, raw_len, digest)
         best = min(best, time.process_time() - t0)
-    return stored, sum(len(j[0]) for j in jobs), best
+    return stored, deep, sum(len(j[0]) for j in jobs), best
 
 
 def main() -> None:
@@ -107,11 +145,17 @@ def main() -> None:
         states = [chunks(s) for _, s in run.checkpoints]
         raw = sum(len(r) for s in states for r, _ in s.values())
         print(f"\n{run.name}: {len(states)} checkpoints, {raw / 1e6:.1f} MB raw")
-        print(f"{'variant':12} {'stored MB':>10} {'deep links':>11} {'deep decode s':>14}")
+        print(f"{'variant':14} {'stored MB':>10} {'deep links':>11} {'deep decode s':>14}")
         for name in ("final", "no scale", "every delta", "planes 5%"):
             with variant(name) as min_gain:
-                stored, links, cpu = measure(states, min_gain)
-            print(f"{name:12} {stored / 1e6:10.2f} {links:11d} {cpu:14.3f}")
+                stored, _, links, cpu = measure(states, min_gain)
+            print(f"{name:14} {stored / 1e6:10.2f} {links:11d} {cpu:14.3f}")
+        head = ("chain shape", "stored MB", "deepest", "depth", "links", "decode s")
+        print("{:14} {:>10} {:>8} {:>6} {:>6} {:>9}".format(*head))
+        for name, parent in SHAPES.items():
+            stored, deep, links, cpu = measure(states, codec.DELTA_MIN_GAIN, parent)
+            depth = len(deep) - 1
+            print(f"{name:14} {stored / 1e6:10.2f} {deep[-1]:8d} {depth:6d} {links:6d} {cpu:9.3f}")
 
 
 if __name__ == "__main__":
