@@ -228,22 +228,22 @@ class CheckpointClient:
         the result keeps the nesting down to them and drops everything else.
         ``map_location`` is passed to ``Tensor.to`` (``"cpu"``, ``"cuda:0"``, a device).
         """
-        from ckptstore.state import tensor_from_bytes, unflatten
+        from ckptstore.state import referenced_tensors, unflatten
 
-        query = f"?{urlencode({'prefix': prefix})}" if prefix else ""
         show = self.progress if progress is None else progress
-        header, buffers = self._retry(
-            lambda: self._download(self._path(run, step) + query, show, f"load {run}/{step}")
-        )
-        tensors = {}
-        for spec, buf in zip(header.tensors, buffers, strict=True):
-            tensor = tensor_from_bytes(buf, spec.dtype, spec.shape)
-            if str(map_location) != "cpu":
-                tensor = tensor.to(map_location)
-            tensors[spec.name] = tensor
-        skeleton = header.metadata.get("skeleton")
+        tensors, metadata, served = self._fetch(run, step, prefix, map_location, show)
+        skeleton = metadata.get("skeleton")
         if skeleton is None:  # a plain safetensors checkpoint: a flat dict
             return tensors
+        if prefix:
+            # a tensor under the prefix tied to one outside it travels under the outside
+            # name: fetch it by that name, from the step that was served (not a newer latest)
+            for name in referenced_tensors(skeleton, prefix):
+                if name not in tensors:
+                    extra, _, _ = self._fetch(run, served, name, map_location, show)
+                    if name not in extra:
+                        raise CorruptData(f"the checkpoint has no tensor {name!r}")
+                    tensors[name] = extra[name]
         return unflatten(skeleton, tensors, prefix=prefix)
 
     def list(self, run: str) -> builtins.list[CheckpointInfo]:
@@ -257,6 +257,25 @@ class CheckpointClient:
         return [RunInfo.from_json(r) for r in obj["runs"]]
 
     # -- plumbing ---------------------------------------------------------------------------
+
+    def _fetch(
+        self, run: str, step: int | str, prefix: str | None, map_location: Any, show: bool
+    ) -> tuple[dict[str, Any], dict[str, str], int | str]:
+        """The tensors of ``run/step`` whose names start with ``prefix``, the header's
+        metadata and the step served (``latest`` resolved)."""
+        from ckptstore.state import tensor_from_bytes
+
+        query = f"?{urlencode({'prefix': prefix})}" if prefix else ""
+        header, buffers, served = self._retry(
+            lambda: self._download(self._path(run, step) + query, show, f"load {run}/{step}")
+        )
+        tensors = {}
+        for spec, buf in zip(header.tensors, buffers, strict=True):
+            tensor = tensor_from_bytes(buf, spec.dtype, spec.shape)
+            if str(map_location) != "cpu":
+                tensor = tensor.to(map_location)
+            tensors[spec.name] = tensor
+        return tensors, dict(header.metadata), step if served is None else int(served)
 
     @staticmethod
     def _path(run: str, step: int | str) -> str:
@@ -324,11 +343,12 @@ class CheckpointClient:
 
     def _download(
         self, path: str, show: bool, desc: str
-    ) -> tuple[Header, builtins.list[memoryview]]:
+    ) -> tuple[Header, builtins.list[memoryview], str | None]:
         conn, response = self._request("GET", path)
         try:
             if response.status >= 300:
                 _raise_for(response.status, response.read())
+            served = response.getheader("X-Ckptstore-Step")
             total = int(response.getheader("Content-Length") or 0)
             bar = _Progress(show, total, desc)
             try:
@@ -349,7 +369,7 @@ class CheckpointClient:
             raise
         self._done(conn, response)
         _verify(header, buffers)
-        return header, buffers
+        return header, buffers, served
 
     def _retry(self, attempt: Callable[[], T]) -> T:
         for n in range(self.retries + 1):

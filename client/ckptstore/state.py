@@ -3,16 +3,20 @@
 ``flatten`` walks a nested state (model, optimizer and scheduler ``state_dict``s, RNG states,
 counters) and splits it in two: the tensors, each under a name derived from its key path, and a
 *skeleton* -- compact JSON of everything else, with a reference where each tensor sat.
-``unflatten`` inverts it exactly: container types (dict, ``OrderedDict``, list, tuple), key
+``unflatten`` inverts it exactly: container types (dict, ``OrderedDict``, ``Counter``, list,
+tuple), key
 order, key types (optimizer state keys stay ``int``; ``True`` stays ``bool``), and every leaf
 value bit for bit. No pickle is involved (DESIGN.md invariant 4).
 
 Tensor names
     The key path joined with ``/``; each component is ``str(key)`` (or the list index) escaped
-    JSON-Pointer style (``~`` -> ``~0``, ``/`` -> ``~1``), so ``{"optimizer": {"state": {0:
-    {"exp_avg": t}}}}`` names ``t`` ``optimizer/state/0/exp_avg``. When two paths render to the
-    same name (keys ``0`` and ``"0"`` in one dict) the later one in traversal order gets ``~2``,
-    ``~3``, ... appended -- text escaping never produces. A tensor reached from several paths
+    JSON-Pointer style (``~`` -> ``~0``, ``/`` -> ``~1``, and NUL, which PostgreSQL text cannot
+    hold, -> ``~z``), so ``{"optimizer": {"state": {0: {"exp_avg": t}}}}`` names ``t``
+    ``optimizer/state/0/exp_avg``. When two paths render to the same name (keys ``0`` and
+    ``"0"`` in one dict) the later one in traversal order gets ``~2``, ``~3``, ... appended --
+    text escaping never produces. The names safetensors cannot carry count as taken from the
+    start: ``""`` (a tensor at the root, or under the root key ``""``) is sent as ``~2``, and
+    ``__metadata__`` as ``__metadata__~2``. A tensor reached from several paths
     (tied weights: same storage, offset, shape, stride and dtype) is named and sent once; every
     path refers to that one name and ``unflatten`` puts the same tensor object at each of them.
 
@@ -26,6 +30,8 @@ Skeleton (version 1)
     ``{"t":"dict","v":[[KEY,NODE]...]}``  (KEY: a str/int/float/bool/None NODE)
     ``{"t":"odict","v":[[KEY,NODE]...],"m":NODE}``  (``OrderedDict``; ``m``: its ``_metadata``,
     the per-module versions ``nn.Module.state_dict`` attaches; absent when there is none)
+    ``{"t":"counter","v":[[KEY,NODE]...]}``  (``collections.Counter``, e.g. the milestones of
+    ``MultiStepLR``)
     ``{"t":"tensor","n":NAME}``
     ``{"t":"int","v":"-0x1f..."}``  (beyond 2**53; hex because decimal conversion is capped)
     ``{"t":"float","v":"7ff8000000000000"}``  (nan/inf: the IEEE-754 binary64 bits, big-endian)
@@ -50,7 +56,7 @@ import json
 import math
 import struct
 import sys
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn
@@ -249,7 +255,7 @@ def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def _escape(component: str) -> str:
-    return component.replace("~", "~0").replace("/", "~1")
+    return component.replace("~", "~0").replace("/", "~1").replace("\x00", "~z")
 
 
 def _join(path: str, component: object, *, root: bool) -> str:
@@ -270,7 +276,8 @@ class _Flattener:
     def __init__(self, *, allow_tensors: bool = True) -> None:
         self._allow_tensors = allow_tensors
         self.tensors: list[tuple[str, torch.Tensor]] = []
-        self._names: set[str] = set()
+        # taken from the start: safetensors has no tensor named "" or "__metadata__"
+        self._names: set[str] = {"", "__metadata__"}
         self._by_identity: dict[tuple[object, ...], str] = {}
         self._keepalive: list[object] = []  # keeps id()-based identity keys valid
         self._active: set[int] = set()  # containers on the current path (cycle check)
@@ -296,7 +303,7 @@ class _Flattener:
             if not self._allow_tensors:
                 raise TypeError(f"unexpected tensor at {_show(path)}")
             return {"t": "tensor", "n": self._tensor(value, path)}
-        if type(value) is dict or type(value) is OrderedDict:
+        if type(value) is dict or type(value) is OrderedDict or type(value) is Counter:
             return self._mapping(value, path, root=root)
         if type(value) is list or type(value) is tuple:
             return self._sequence(value, path, root=root)
@@ -320,7 +327,7 @@ class _Flattener:
             raise ValueError(f"reference cycle at {_show(path)}")
         self._active.add(id(value))
 
-    def _mapping(self, value: dict[object, object], path: str, *, root: bool) -> object:
+    def _mapping(self, value: Mapping[object, object], path: str, *, root: bool) -> object:
         self._enter(value, path)
         items = []
         for key, item in value.items():
@@ -334,6 +341,8 @@ class _Flattener:
         self._active.discard(id(value))
         if type(value) is dict:
             return {"t": "dict", "v": items}
+        if type(value) is Counter:
+            return {"t": "counter", "v": items}
         out: dict[str, object] = {"t": "odict", "v": items}
         metadata = getattr(value, "_metadata", None)
         if metadata is not None:
@@ -571,7 +580,7 @@ class _Unflattener:
             if type(node["v"]) is not list:
                 _bad("tuple items must be an array", path)
             return self._sequence(node["v"], path, inside, root=root, as_tuple=True)
-        if tag in ("dict", "odict"):
+        if tag in ("dict", "odict", "counter"):
             return self._mapping(node, path, inside, root=root)
         if not inside:
             return _DROP
@@ -654,11 +663,12 @@ class _Unflattener:
 
     def _mapping(self, node: dict[str, Any], path: str, inside: bool, *, root: bool) -> object:
         ordered = node["t"] == "odict"
+        counter = node["t"] == "counter"
         _fields(node, path, {"t", "v"}, frozenset({"m"}) if ordered else frozenset())
         pairs = node["v"]
         if type(pairs) is not list:
             _bad("mapping items must be an array", path)
-        out: dict[object, object] = OrderedDict() if ordered else {}
+        out: dict[Any, Any] = OrderedDict() if ordered else Counter() if counter else {}
         seen: set[object] = set()
         for pair in pairs:
             if type(pair) is not list or len(pair) != 2:
@@ -724,6 +734,8 @@ def _empty_like(root: object) -> object:
         return {}
     if tag == "odict":
         return OrderedDict()
+    if tag == "counter":
+        return Counter()
     return None
 
 

@@ -58,6 +58,7 @@ DTYPE_SIZES: Mapping[str, int] = {
 }
 
 _MAX_DIMS = 64
+_MAX_INT = 2**63 - 1  # sizes and offsets are int64 in torch and in the catalog
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,14 +132,34 @@ def encode_header(
 
 
 def _as_int(value: object, what: str) -> int:
-    if type(value) is not int or value < 0:
-        raise InvalidStream(f"{what} must be a non-negative integer, got {value!r}")
+    if type(value) is not int or not 0 <= value <= _MAX_INT:
+        raise InvalidStream(f"{what} must be an integer from 0 to 2**63-1, got {value!r}")
     return value
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """json object hook: a key given twice (two tensors of one name) makes the header ambiguous."""
+    obj: dict[str, object] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise InvalidStream(f"header names {key!r} twice")
+        obj[key] = value
+    return obj
+
+
+def _is_text(value: str) -> bool:
+    """Whether ``value`` is Unicode text: JSON's \\u escapes can also spell lone surrogates,
+    which no UTF-8 database column, JSON encoder or file name takes."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _parse_header_json(raw: bytes, header_len: int) -> Header:
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as exc:  # bad JSON/UTF-8, 4300+ digit ints, nesting
         raise InvalidStream(f"header is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
@@ -148,10 +169,14 @@ def _parse_header_json(raw: bytes, header_len: int) -> Header:
         isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
     ):
         raise InvalidStream("__metadata__ must map strings to strings")
+    if not all(_is_text(k) and _is_text(v) for k, v in meta.items()):
+        raise InvalidStream("__metadata__ holds a lone surrogate (\\ud800-\\udfff), not text")
     specs = []
     for name, info in obj.items():
         if not name:
             raise InvalidStream("empty tensor name")
+        if "\x00" in name or not _is_text(name):
+            raise InvalidStream(f"tensor name {name!r} holds NUL or a lone surrogate")
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise InvalidStream(f"tensor {name!r}: expected keys dtype, shape, data_offsets")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]

@@ -13,6 +13,7 @@ row, so nothing becomes visible.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -31,7 +32,7 @@ import xxhash
 
 from ckptstore import codec
 from ckptstore.errors import CheckpointExists, InternalError, InvalidStream
-from ckptstore.wire import Header, StreamParser, TensorPiece
+from ckptstore.wire import FORMAT, Header, StreamParser, TensorPiece
 from ckptstore_service.cache import open_reader
 from ckptstore_service.catalog import CheckpointInfo, NewChunk, TensorInfo
 from ckptstore_service.restore import materialize
@@ -64,6 +65,51 @@ def read_header(parser: StreamParser, body: Iterator[bytes]) -> tuple[Header, li
             ]
     parser.close()  # raises: the stream ended inside the header
     raise AssertionError("unreachable")
+
+
+def _check_metadata(header: Header) -> None:
+    """Refuse a header whose checkpoint no client could load back (InvalidStream).
+
+    The service does not interpret the skeleton (its tags belong to the client's state
+    module), but it checks what it can without torch: a ``format`` it knows, a skeleton that
+    is JSON ``{"v": 1, "root": ...}``, and every tensor the skeleton refers to (``{"t":
+    "tensor", "n": NAME}``, or an ``ndarray`` sent as a tensor) present in the header. A plain
+    safetensors file has neither key and is stored as it is.
+    """
+    meta = header.metadata
+    if "format" in meta and meta["format"] != FORMAT:
+        raise InvalidStream(f"unknown format {meta['format']!r}; this service stores {FORMAT!r}")
+    skeleton = meta.get("skeleton")
+    if skeleton is None:
+        return
+    try:
+        doc = json.loads(skeleton, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidStream(f"skeleton is not JSON: {exc}") from exc
+    version = doc.get("v") if isinstance(doc, dict) else None
+    if (
+        not isinstance(doc, dict)
+        or set(doc) != {"v", "root"}
+        or type(version) is not int
+        or version != 1
+    ):
+        raise InvalidStream('skeleton must be {"v": 1, "root": ...}')
+    names = {t.name for t in header.tensors}
+    todo: list[object] = [doc["root"]]
+    while todo:  # iterative: the JSON parser allowed the nesting, so must this
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(node)
+        elif isinstance(node, dict):
+            if node.get("t") in ("tensor", "ndarray") and "n" in node:
+                name = node["n"]
+                if not isinstance(name, str) or name not in names:
+                    raise InvalidStream(f"skeleton refers to tensor {name!r}, which is not sent")
+            todo.extend(node.values())
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,6 +353,7 @@ def ingest(
     parser = StreamParser(s.max_header_bytes, s.max_upload_bytes)
     it = iter(body)
     header, first = read_header(parser, it)
+    _check_metadata(header)
     if content_length is not None and content_length != header.total_len:
         raise InvalidStream(
             f"Content-Length {content_length} disagrees with the header, which describes "

@@ -26,7 +26,16 @@ from serviceproc import Service
 
 MiB = 1 << 20
 TENSORS = [("w", "F32", [2, 3]), ("b", "I64", [4])]  # 24 + 32 bytes of data
-META = {"format": "ckptstore/1", "skeleton": '{"w":"w","b":"b"}'}
+
+
+def meta_for(*names: str) -> dict[str, str]:
+    """Metadata whose skeleton is a dict of the tensors ``names`` (the service checks it)."""
+    items = [[n, {"t": "tensor", "n": n}] for n in names]
+    skeleton = json.dumps({"v": 1, "root": {"t": "dict", "v": items}}, separators=(",", ":"))
+    return {"format": "ckptstore/1", "skeleton": skeleton}
+
+
+META = meta_for("w", "b")
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # what a run may be called
 
 
@@ -41,7 +50,8 @@ def valid_body(
     seed: int = 1, tensors: list[tuple[str, str, list[int]]] | None = None
 ) -> tuple[bytes, bytes]:
     """A valid safetensors body split into (prefix, data)."""
-    prefix, header = encode_header(tensors or TENSORS, META)
+    layout = tensors or TENSORS
+    prefix, header = encode_header(layout, meta_for(*(name for name, _, _ in layout)))
     return prefix, data_for(header.data_len, seed)
 
 
@@ -499,7 +509,7 @@ CONFLICTS = {
         valid_body(seed=7, tensors=[("w", "F32", [3, 2]), ("b", "I64", [4])])
     ),
     "different-metadata": lambda: (
-        encode_header(TENSORS, {**META, "skeleton": "{}"})[0] + valid_body(seed=7)[1]
+        encode_header(TENSORS, meta_for("b", "w"))[0] + valid_body(seed=7)[1]
     ),
     "extra-tensor": lambda: b"".join(valid_body(seed=7, tensors=[*TENSORS, ("c", "U8", [1])])),
 }

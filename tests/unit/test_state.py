@@ -414,7 +414,9 @@ def test_names_follow_the_key_path_escaped() -> None:
         "None/" + hex(10**1000),
         "None/" + str(-(10**999)),
     ]
-    assert names_of(t[0]) == [""]
+    assert names_of(t[0]) == [
+        "~2"
+    ]  # "" is no safetensors name (see tests/integration/test_states.py)
     assert names_of([t[0], {"": t[1]}]) == ["0", "1/"]
 
 
