@@ -71,14 +71,17 @@ def _check_metadata(header: Header) -> None:
     """Refuse a header whose checkpoint no client could load back (InvalidStream).
 
     The service does not interpret the skeleton (its tags belong to the client's state
-    module), but it checks what it can without torch: a ``format`` it knows, a skeleton that
+    module), but it checks what it can without torch: a ``ckptstore/`` format it knows (a
+    skeleton comes with ours only), a skeleton that
     is JSON ``{"v": 1, "root": ...}``, and every tensor the skeleton refers to (``{"t":
     "tensor", "n": NAME}``, or an ``ndarray`` sent as a tensor) present in the header. A plain
     safetensors file has neither key and is stored as it is.
     """
     meta = header.metadata
-    if "format" in meta and meta["format"] != FORMAT:
-        raise InvalidStream(f"unknown format {meta['format']!r}; this service stores {FORMAT!r}")
+    fmt = meta.get("format", "")
+    # other writers' formats ({"format": "pt"} from transformers) are plain safetensors files
+    if fmt != FORMAT and (fmt.startswith("ckptstore/") or "skeleton" in meta):
+        raise InvalidStream(f"unknown format {fmt!r}; this service stores {FORMAT!r}")
     skeleton = meta.get("skeleton")
     if skeleton is None:
         return

@@ -75,6 +75,7 @@ BAD = {
     ),
     # metadata the client cannot load back
     "format-unknown": with_meta(format="ckptstore/99"),
+    "skeleton-of-another-format": with_meta(format="pt", skeleton=skeleton("w")),
     "skeleton-not-json": with_meta(format="ckptstore/1", skeleton="garbage"),
     "skeleton-nan": with_meta(format="ckptstore/1", skeleton='{"v":1,"root":NaN}'),
     "skeleton-not-v1": with_meta(format="ckptstore/1", skeleton='{"w":"w"}'),
@@ -126,6 +127,7 @@ GOOD = {
         skeleton='{"v":1,"root":[{"t":"tensor","n":"w"},{"t":"tensor","n":"w"}]}',
     ),
     "plain-safetensors": framed({"w": W}),
+    "plain-safetensors-of-transformers": with_meta(format="pt"),
     "nul-in-metadata": with_meta(format="ckptstore/1", skeleton=skeleton("w"), note="a\u0000b"),
     "name-20-MiB": framed({"__metadata__": {}, "n" * (20 << 20): W}),
     "name-path-like": framed({"../../etc/passwd": W}),
