@@ -7,11 +7,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-__all__ = ["Service", "free_port"]
+__all__ = ["Service", "eventually", "free_port"]
 
 
 def free_port() -> int:
@@ -120,3 +121,16 @@ def partial_upload(url: str, run: str, step: int, sent: bytes, total_len: int) -
         + sent
     )
     return sock
+
+
+def eventually(check: Callable[[], None], timeout: float = 5.0) -> None:
+    """Retry ``check`` until it passes (the service notices a hang-up asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            check()
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)

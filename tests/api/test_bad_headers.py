@@ -15,12 +15,12 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from serviceproc import Service
+from serviceproc import Service, eventually
 
 W = {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}
 W_JSON = b'{"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}'
@@ -162,18 +162,6 @@ def chunked_upload(service: Service, run: str, pieces: list[bytes], end: bool) -
     if end:
         sock.sendall(b"0\r\n\r\n")
     return sock
-
-
-def eventually(check: Callable[[], None], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            check()
-            return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def test_chunked_upload_cut_mid_tensor_by_a_disconnect(

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from ckptstore.wire import encode_header
-from serviceproc import Service
+from serviceproc import Service, eventually
 
 MiB = 1 << 20
 TENSORS = [("w", "F32", [2, 3]), ("b", "I64", [4])]  # 24 + 32 bytes of data
@@ -145,19 +145,6 @@ def assert_nothing_stored(service: Service, *runs: str) -> None:
             response = http(service).get(f"/v1/runs/{run}/checkpoints")
             assert_error(response, 404, "run_not_found")
             assert leftover_blobs(service, run) == []
-
-
-def eventually(check: Callable[[], None], timeout: float = 5.0) -> None:
-    """Retry ``check`` until it passes (the service notices a hang-up asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            check()
-            return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def open_upload(service: Service, path: str, content_length: int, payload: bytes) -> socket.socket:
