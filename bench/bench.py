@@ -14,8 +14,9 @@ ckptstore
     cross-checked against the blob folder on disk. ``load latest``: the newest checkpoint, warm
     (the service serves it from its base cache). ``load deep``: the checkpoint with the deepest
     chain after a service restart (the base cache is wiped at start-up, so every chunk is decoded
-    from storage along its chain). Peak service memory: VmHWM minus VmRSS before the first save
-    (peak reset just before); likewise for the cold load.
+    from storage along its chain); the same for the first checkpoint (the keyframe) and the
+    one halfway (what each link of a chain costs). Peak service memory: VmHWM minus VmRSS
+    before the first save (peak reset just before); likewise for the cold load.
 torch.save+zstd3
     ``torch.save`` into a BytesIO, then zstd level 3 (one thread; and a 2-thread variant);
     load = decompress + ``torch.load(weights_only=False)``. Kept in memory: no disk writes.
@@ -204,6 +205,11 @@ def best_pass(tries: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("load_latest", "load_deep"):
         fastest = min(tries, key=lambda m: m[f"{key}_s"])
         best[f"{key}_s"], best[f"{key}_mb_s"] = fastest[f"{key}_s"], fastest[f"{key}_mb_s"]
+    if "cold_load_by_depth" in best:
+        best["cold_load_by_depth"] = [
+            min(loads, key=lambda x: x["s"])
+            for loads in zip(*(m["cold_load_by_depth"] for m in tries), strict=True)
+        ]
     best["passes"] = [
         {k: m[k] for k in ("save_s", "load_latest_s", "load_deep_s", "loadavg_1m_after")}
         for m in tries
@@ -428,27 +434,39 @@ def bench_ckptstore(run: str, ckpts: Checkpoints, workdir: Path, repeats: int) -
     finally:
         svc.stop()
 
+    def cold_load(step: int) -> tuple[float, int, str | None]:
+        """Best wall time, peak service memory growth and any mismatch of loading ``step``
+        right after a restart: a fresh process wipes the base cache, so every chunk is
+        decoded from storage along its chain."""
+        best, peak, wrong = float("inf"), 0, None
+        for _ in range(repeats):
+            svc = Service(data_dir, env).start()
+            try:
+                with CheckpointClient(svc.url, timeout=600) as client:
+                    baseline_load = svc.rss_bytes()
+                    svc.reset_peak_rss()
+                    gc.collect()
+                    t0 = time.perf_counter()
+                    back = client.load(run, step)
+                    best = min(best, time.perf_counter() - t0)
+                    peak = max(peak, svc.rss_bytes("VmHWM") - baseline_load)
+                    wrong = wrong or mismatch(dict(ckpts)[step], back)
+                    del back
+            finally:
+                svc.stop()
+        return best, peak, wrong
+
     deep = max(listing, key=lambda c: (c.chain_depth, c.step))
-    deep_state = dict(ckpts)[deep.step]
-    deep_s = float("inf")
-    peak_load = 0
-    verified_deep: str | None = None
-    for _ in range(repeats):
-        # a fresh process wipes the base cache: every chunk is decoded from storage
-        svc = Service(data_dir, env).start()
-        try:
-            with CheckpointClient(svc.url, timeout=600) as client:
-                baseline_load = svc.rss_bytes()
-                svc.reset_peak_rss()
-                gc.collect()
-                t0 = time.perf_counter()
-                back = client.load(run, deep.step)
-                deep_s = min(deep_s, time.perf_counter() - t0)
-                peak_load = max(peak_load, svc.rss_bytes("VmHWM") - baseline_load)
-                verified_deep = verified_deep or mismatch(deep_state, back)
-                del back
-        finally:
-            svc.stop()
+    deep_s, peak_load, verified_deep = cold_load(deep.step)
+    # the same for the first checkpoint (the keyframe) and one halfway: what each link costs
+    by_depth = []
+    for shallow in (listing[0], listing[len(listing) // 2]):
+        s, _, wrong = cold_load(shallow.step)
+        verified_deep = verified_deep or wrong
+        raw = raw_bytes(dict(ckpts)[shallow.step])
+        by_depth.append(
+            {"depth": shallow.chain_depth, "step": shallow.step, "s": s, "mb_s": raw / s / MB}
+        )
 
     groups = catalog_breakdown(data_dir / "catalog.sqlite3")
     blob_dir = dir_bytes(data_dir / "blobs")
@@ -473,6 +491,7 @@ def bench_ckptstore(run: str, ckpts: Checkpoints, workdir: Path, repeats: int) -
         blob_dir_bytes=blob_dir,
         catalog_bytes=catalog,
         deep_chain_depth=deep.chain_depth,
+        cold_load_by_depth=by_depth,
         chain=[
             {
                 "step": c.step,
@@ -822,6 +841,17 @@ def main() -> None:
                 )
                 + f"zipnn {_ratio(z['raw'], z['stored']) if z else '-':>6}  {top}"
             )
+    print()
+    print("ckptstore cold loads by chain depth (a restart before each; against the deep line)")
+    for name, r in results["runs"].items():
+        c, z = r["methods"][CKPT], r["methods"][ZSTD1]
+        loads = c["cold_load_by_depth"] + [
+            {"depth": c["deep_chain_depth"], "s": c["load_deep_s"], "mb_s": c["load_deep_mb_s"]}
+        ]
+        figures = ", ".join(
+            f"depth {x['depth']} {x['s']:.3f} s {x['mb_s']:.0f} MB/s" for x in loads
+        )
+        print(f"  {name:<17} {figures}; line {0.5 * z['load_latest_mb_s']:.0f} MB/s")
     if results["targets"]:
         print()
         print("targets")
