@@ -19,6 +19,7 @@ from ckptstore.errors import (
     NotFound,
     PayloadTooLarge,
     RunNotFound,
+    ServiceUnavailable,
     StorageUnavailable,
     UnsupportedDtype,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "PayloadTooLarge",
     "RunInfo",
     "RunNotFound",
+    "ServiceUnavailable",
     "StorageUnavailable",
     "UnsupportedDtype",
 ]

@@ -44,17 +44,36 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _db(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from ckptstore.errors import CkptStoreError
     from ckptstore_service.catalog import Catalog
     from ckptstore_service.settings import Settings
 
-    settings = Settings()
-    catalog = Catalog(args.database_url or settings.resolved_database_url())
+    url = args.database_url or Settings().resolved_database_url()
     try:
+        catalog = Catalog(url)
+    except ValueError as exc:
+        print(f"ckptstore: {exc}", file=sys.stderr)
+        return 1
+    try:
+        database = make_url(url).database if catalog.url.startswith("sqlite") else None
+        sqlite_file = Path(database) if database and database != ":memory:" else None
         if args.action == "upgrade":
-            if catalog.url.startswith("sqlite"):
-                settings.data_dir.mkdir(parents=True, exist_ok=True)
+            if sqlite_file is not None:
+                sqlite_file.parent.mkdir(parents=True, exist_ok=True)
             catalog.upgrade()
+        elif sqlite_file is not None and not sqlite_file.exists():
+            # no database yet: say so, without creating one (nor its folder)
+            print("schema revision: none")
+            return 0
         print(f"schema revision: {catalog.revision() or 'none'}")
+    except (SQLAlchemyError, CkptStoreError) as exc:
+        print(f"ckptstore: cannot use the database at {url}: {exc}", file=sys.stderr)
+        return 1
     finally:
         catalog.close()
     return 0

@@ -36,6 +36,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session, aliased, sessionmaker
+from sqlalchemy.pool import NullPool
 
 from ckptstore.errors import (
     CheckpointExists,
@@ -139,6 +140,13 @@ class Catalog:
             self.engine: Engine = create_engine(url, **kwargs)
         except Exception as exc:  # a bad URL or a missing driver
             raise ValueError(f"cannot use database URL {url!r}: {exc}") from exc
+        # Run locks live on connections of their own, outside the pool: an upload holds its
+        # lock for its whole duration (and a writer waiting for a run's lock holds a
+        # connection while it waits), so from the pool, 30 uploads in progress would take
+        # every connection and leave their own queries, and every other request, waiting.
+        self._lock_engine: Engine | None = (
+            create_engine(url, poolclass=NullPool) if self.is_postgres else None
+        )
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
@@ -149,6 +157,8 @@ class Catalog:
 
     def close(self) -> None:
         self.engine.dispose()
+        if self._lock_engine is not None:
+            self._lock_engine.dispose()
 
     def ping(self) -> None:
         with self._session() as s:
@@ -230,7 +240,8 @@ class Catalog:
             hashlib.blake2b(run.encode(), digest_size=8).digest(), "big", signed=True
         )
         fn = "pg_advisory_lock" if blocking else "pg_try_advisory_lock"
-        with self._translate(), self.engine.connect() as conn:
+        assert self._lock_engine is not None
+        with self._translate(), self._lock_engine.connect() as conn:
             got = conn.execute(text(f"SELECT {fn}(:k)"), {"k": key}).scalar()
             held = blocking or bool(got)
             conn.commit()

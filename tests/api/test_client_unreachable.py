@@ -1,0 +1,38 @@
+"""The client when the service is down: typed errors importable from ``ckptstore``."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore import CheckpointClient, CkptStoreError, ServiceUnavailable
+from ckptstore.errors import _all_subclasses
+from serviceproc import free_port
+
+
+def test_every_error_of_the_tree_is_exported() -> None:
+    # the README: errors are typed, ``from ckptstore import ...``; ServiceUnavailable is what
+    # a trainer catches when the service stays down
+    # (the service's own subclasses, such as BlobNotFound, are not the client's to export)
+    tree = [c for c in _all_subclasses(CkptStoreError) if c.__module__ == "ckptstore.errors"]
+    assert ServiceUnavailable in tree
+    for cls in tree:
+        assert getattr(ckptstore, cls.__name__) is cls
+        assert cls.__name__ in ckptstore.__all__
+
+
+def test_service_down_at_the_first_call() -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with CheckpointClient(url, retries=2, backoff=0.05) as client:
+        t0 = time.perf_counter()
+        with pytest.raises(ServiceUnavailable, match="cannot reach the ckptstore service") as info:
+            client.save("down", 1, {"w": torch.zeros(4)})
+        assert time.perf_counter() - t0 >= 0.05 * (1 + 2) * 0.5  # it backed off and retried
+        assert url in str(info.value) and info.value.status == 503
+        with pytest.raises(ServiceUnavailable):
+            client.load("down")
+        with pytest.raises(ServiceUnavailable):
+            client.runs()
