@@ -82,7 +82,10 @@ def _db(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace) -> CheckpointClient:
     from ckptstore.client import CheckpointClient
 
-    return CheckpointClient(args.url)
+    try:
+        return CheckpointClient(args.url)
+    except ValueError as exc:  # a URL without http(s)://: one line, not a traceback
+        raise SystemExit(f"ckptstore: {exc}") from None
 
 
 def _human(n: int) -> str:

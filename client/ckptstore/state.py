@@ -445,7 +445,10 @@ def flatten(state: object) -> FlatState:
             {"v": SKELETON_VERSION, "root": root}, separators=(",", ":"), allow_nan=False
         )
     except RecursionError:
-        raise ValueError("state is nested too deeply") from None
+        raise ValueError(
+            "state is nested too deeply: containers more than a few hundred levels deep "
+            "(Python's recursion limit) cannot be flattened"
+        ) from None
     return FlatState(tensors=flattener.tensors, skeleton=skeleton)
 
 

@@ -39,6 +39,13 @@ def test_runs_and_ls(service: Service) -> None:
     assert missing.returncode == 1 and "no-such-run" in missing.stderr
 
 
+def test_a_url_without_a_scheme_is_one_line() -> None:
+    bad = cli("runs", url="localhost:8000")
+    assert bad.returncode == 1
+    assert bad.stderr.startswith("ckptstore: service URL must be http(s)://")
+    assert "Traceback" not in bad.stderr
+
+
 def test_db_upgrade(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'cat.sqlite3'}"
     assert "none" in cli("db", "current", "--database-url", url).stdout
