@@ -7,12 +7,31 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch-free at import; the client is imported when a command needs it
     from ckptstore.client import CheckpointClient
+    from ckptstore_service.settings import Settings
 
 __all__ = ["main"]
+
+
+def _settings(data_dir: str | None = None) -> Settings:
+    """The service's settings from the environment; a bad value exits with one line per
+    variable, naming it, instead of pydantic's traceback."""
+    from pydantic import ValidationError
+
+    from ckptstore_service.settings import Settings
+
+    try:
+        return Settings(data_dir=Path(data_dir)) if data_dir else Settings()
+    except ValidationError as exc:
+        lines = [
+            f"  CKPTSTORE_{'_'.join(map(str, e['loc'])).upper()}={e.get('input')!r}: {e['msg']}"
+            for e in exc.errors()
+        ]
+        raise SystemExit("ckptstore: invalid configuration\n" + "\n".join(lines)) from None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -21,7 +40,6 @@ def _serve(args: argparse.Namespace) -> int:
 
         from ckptstore_service.api.protocol import BodyPiecesProtocol
         from ckptstore_service.app import create_app
-        from ckptstore_service.settings import Settings
     except ImportError as exc:
         print(
             f"the service needs its extra: pip install 'ckptstore[server]' ({exc})", file=sys.stderr
@@ -30,8 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    overrides = {"data_dir": args.data_dir} if args.data_dir else {}
-    settings = Settings(**overrides)
+    settings = _settings(args.data_dir)
     uvicorn.run(
         create_app(settings),
         host=args.host,
@@ -44,16 +61,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _db(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import SQLAlchemyError
 
     from ckptstore.errors import CkptStoreError
     from ckptstore_service.catalog import Catalog
-    from ckptstore_service.settings import Settings
 
-    url = args.database_url or Settings().resolved_database_url()
+    url = args.database_url or _settings().resolved_database_url()
     try:
         catalog = Catalog(url)
     except ValueError as exc:

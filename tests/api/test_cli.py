@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +14,16 @@ from ckptstore import CheckpointClient
 from serviceproc import Service
 
 
-def cli(*args: str, url: str | None = None) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, url: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     extra = ["--url", url] if url else []
     return subprocess.run(
         [sys.executable, "-m", "ckptstore.cli", *args, *extra],
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -44,6 +48,25 @@ def test_a_url_without_a_scheme_is_one_line() -> None:
     assert bad.returncode == 1
     assert bad.stderr.startswith("ckptstore: service URL must be http(s)://")
     assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["db", "current"]])
+def test_a_bad_setting_names_its_variable_in_one_line_each(
+    tmp_path: Path, command: list[str]
+) -> None:
+    env = {
+        "CKPTSTORE_CHUNK_BYTES": "5",
+        "CKPTSTORE_AUTO_MIGRATE": "maybe",
+        "CKPTSTORE_DATA_DIR": str(tmp_path),
+    }
+    bad = cli(*command, env=env)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
+    lines = bad.stderr.splitlines()
+    assert lines[0] == "ckptstore: invalid configuration"
+    assert sorted(line.split("=")[0].strip() for line in lines[1:]) == [
+        "CKPTSTORE_AUTO_MIGRATE",
+        "CKPTSTORE_CHUNK_BYTES",
+    ]
 
 
 def test_db_upgrade(tmp_path: Path) -> None:
