@@ -25,7 +25,10 @@ delta of (checkpoint 0 is the keyframe):
   5 deep over 9 checkpoints);
 * ``anchors 4,6,8``: as ``anchor 4``, and 6 and 8 deltas of 4 and 6 (at most 3 deep);
 * ``skip``: Subversion's skip-deltas, ``k`` a delta of ``k`` with its lowest set bit cleared
-  (at most log2 deep).
+  (at most log2 deep);
+* ``re-rooted at 4``: checkpoint 4 the keyframe, the ones before it deltas of the next one
+  (backwards), the ones after it of the previous one: what a chain re-rooted at its middle
+  after the fact would store (at most 4 deep).
 
 It prints the bytes, and for the deepest checkpoint its depth, links and decode time: what a
 shallower chain buys in restore work and costs in bytes, because a delta across several
@@ -77,6 +80,7 @@ def variant(name: str) -> Iterator[float]:
 
 
 def linear(k: int) -> int:
+    """The checkpoint ``k`` is a delta of (-1: ``k`` is the keyframe)."""
     return k - 1
 
 
@@ -84,14 +88,15 @@ SHAPES: dict[str, Callable[[int], int]] = {
     "linear": linear,
     "anchor 4": lambda k: 0 if k == 4 else k - 1,
     "anchors 4,6,8": lambda k: 0 if k == 4 else k - 2 if k in (6, 8) else k - 1,
-    "skip": lambda k: k & (k - 1),
+    "skip": lambda k: k & (k - 1) if k else -1,
+    "re-rooted at 4": lambda k: k + 1 if k < 4 else k - 1 if k > 4 else -1,
 }
 
 
 def chain_of(k: int, parent: Callable[[int], int]) -> list[int]:
-    """Checkpoint ``k``'s chain, from the keyframe (0) to ``k``."""
+    """Checkpoint ``k``'s chain, from its keyframe to ``k``."""
     chain = [k]
-    while chain[-1]:
+    while parent(chain[-1]) >= 0:
         chain.append(parent(chain[-1]))
     return chain[::-1]
 
@@ -100,15 +105,17 @@ def measure(
     states: list[Chunks], min_gain: float, parent: Callable[[int], int] = linear
 ) -> tuple[int, list[int], int, float]:
     """Bytes stored; the chain, links and decode CPU seconds of the deepest checkpoint's
-    restore (the latest of the deepest), each checkpoint ``k > 0`` a delta of ``parent(k)``."""
+    restore (the latest of the deepest), each checkpoint a delta of ``parent(k)`` (the
+    keyframe, -1, of none)."""
     stored = 0
     history: list[dict[tuple[str, int], codec.EncodedChunk]] = []
     for k, state in enumerate(states):
-        prev = states[parent(k)] if k else {}
+        delta = parent(k) >= 0
+        prev = states[parent(k)] if delta else {}
         encoded = {}
         for key, (raw, itemsize) in state.items():
             base = prev.get(key, (None, 0))[0]
-            enc = codec.encode_chunk(raw, base, itemsize, delta=k > 0, min_gain=min_gain)
+            enc = codec.encode_chunk(raw, base, itemsize, delta=delta, min_gain=min_gain)
             encoded[key] = enc
             stored += len(enc.payload)
         history.append(encoded)
