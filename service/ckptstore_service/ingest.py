@@ -313,6 +313,15 @@ def _encode_job(
     return codec.encode_chunk(raw.data, parent, itemsize, level, delta=delta)
 
 
+def _cleanup(fn: Callable[..., object], *args: object) -> None:
+    """One clean-up step after a failed save; its own failure is logged, not raised (the
+    ``writing`` row and blob it leaves are collected at the next start-up)."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        log.warning("clean-up after a failed save: %s: %s", type(exc).__name__, exc)
+
+
 def _inline(fn: Callable[..., codec.EncodedChunk], *args: object) -> Future[codec.EncodedChunk]:
     future: Future[codec.EncodedChunk] = Future()
     try:
@@ -625,18 +634,23 @@ def _store(
             t_end - t_durable,
         )
     finally:
-        if not committed:
-            for p in pending:
-                p.future.cancel()
-            for p in pending:
-                if not p.future.cancelled():
-                    p.future.exception()  # wait: the job may still write to cache_fd
-            writer.abort()
-            rt.store.delete(blob_key)
-            rt.catalog.abort_upload(checkpoint_id)
-            rt.cache.discard(cache_tmp)
-        if base_fd is not None:
-            os.close(base_fd)
-        os.close(cache_fd)
+        try:
+            if not committed:
+                for p in pending:
+                    p.future.cancel()
+                for p in pending:
+                    if not p.future.cancelled():
+                        p.future.exception()  # wait: the job may still write to cache_fd
+                # Each step on its own: the save's own error is what the client must see
+                # (a blob store that refused the write refuses the delete too), and the
+                # steps after a failed one still run.
+                _cleanup(writer.abort)
+                _cleanup(rt.store.delete, blob_key)
+                _cleanup(rt.catalog.abort_upload, checkpoint_id)
+                _cleanup(rt.cache.discard, cache_tmp)
+        finally:
+            if base_fd is not None:
+                os.close(base_fd)
+            os.close(cache_fd)
     _install_if_latest(rt, run, checkpoint_id, cache_tmp, header.data_len)
     return rt.catalog.get(run, step)

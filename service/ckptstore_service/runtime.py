@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ckptstore import planes
-from ckptstore.errors import InvalidRequest
+from ckptstore.errors import InvalidRequest, StorageUnavailable
 from ckptstore_service.cache import BaseCache
 from ckptstore_service.catalog import Catalog
 from ckptstore_service.settings import Settings
@@ -137,12 +137,22 @@ class Runtime:
             with self.catalog.run_lock(run, blocking=False) as held:
                 if not held:
                     continue
-                self.store.abort_incomplete([blob_key])
-                self.store.delete(blob_key)
+                try:
+                    self.store.abort_incomplete([blob_key])
+                    self.store.delete(blob_key)
+                except (StorageUnavailable, OSError) as exc:
+                    # a read-only or full store still serves loads: start, and keep the row
+                    # for the next start-up to collect
+                    log.warning("cannot collect crashed upload %r yet: %s", blob_key, exc)
+                    continue
                 self.catalog.abort_upload(checkpoint_id)
                 dead.append(blob_key)
         # Writes with no catalog row left (a crash while aborting): found by age alone.
-        stale = self.store.abort_incomplete((), self.settings.incomplete_upload_ttl_s)
+        try:
+            stale = self.store.abort_incomplete((), self.settings.incomplete_upload_ttl_s)
+        except (StorageUnavailable, OSError) as exc:
+            log.warning("cannot collect stale partial writes yet: %s", exc)
+            stale = 0
         if dead or stale:
             log.info("collected %d crashed upload(s), %d stale partial write(s)", len(dead), stale)
         return len(dead)

@@ -99,11 +99,18 @@ class _BlobFile:
         return self.size
 
     def close(self) -> None:
-        if self._buf is not None:
-            self._view.release()
-            self._buf.close()
-            self._buf = None
-        os.close(self.fd)
+        """Close the file, always: a leaked descriptor of an unlinked temp file would keep
+        its blocks allocated (a disk that filled up would stay full until a restart)."""
+        buf, self._buf = self._buf, None
+        try:
+            if buf is not None:
+                self._view.release()
+                # A failed write leaves slices of the buffer in its exception's traceback,
+                # which close() then raises on; the mapping goes with that traceback instead.
+                with contextlib.suppress(BufferError):
+                    buf.close()
+        finally:
+            os.close(self.fd)
 
     def _write_direct(self, data: memoryview) -> None:
         """Write all of ``data``; should the device refuse the alignment, the file goes back
