@@ -542,7 +542,9 @@ def decode_chain(
     """
     if not links or is_delta(links[0][0]) or links[0][0] == REF:
         raise CorruptData("a chunk's chain must start with a self-contained chunk")
-    if raw_len % itemsize:
+    # both come from the catalog: an item size with no kernels, or a negative length, is
+    # corrupt data too (not a KeyError, a ZeroDivisionError or numpy's ValueError)
+    if itemsize not in planes.UINT or raw_len < 0 or raw_len % itemsize:
         raise CorruptData(f"a chunk of {raw_len} bytes for {itemsize}-byte items")
     uint = planes.UINT[itemsize]
     codec, payload = links[0]

@@ -227,50 +227,84 @@ def _from_storage(
     closure = rt.catalog.chunk_closure(chunks)
     reader = _WindowReader(rt.store, closure.values())
 
+    def base_of(c: ChunkInfo) -> ChunkInfo:
+        if c.base_id is None or c.base_id not in closure:
+            raise CorruptData(f"the catalog's chunk {c.id} ({c.codec}) has no base chunk")
+        return closure[c.base_id]
+
     def resolve(c: ChunkInfo) -> ChunkInfo:
+        hops = 0
         while c.codec == codec.REF:  # a ref points at the chunk it equals
-            assert c.base_id is not None
-            c = closure[c.base_id]
+            c = base_of(c)
+            hops += 1
+            if hops > len(closure):
+                raise CorruptData(f"the catalog's references from chunk {c.id} form a cycle")
         return c
 
     def fetch(c: ChunkInfo) -> Buffer:
         t0 = time.perf_counter()
-        data = reader.get(c.blob_key, c.blob_offset, c.blob_offset + c.stored_len)
+        try:
+            data = reader.get(c.blob_key, c.blob_offset, c.blob_offset + c.stored_len)
+        except ValueError as exc:  # the store's word for a range outside the blob
+            raise CorruptData(f"the catalog's chunk {c.id} is not in its blob: {exc}") from exc
         stats.fetch_s += time.perf_counter() - t0
         return data
 
     def chain(c: ChunkInfo) -> tuple[list[ChunkInfo], ChunkInfo]:
         """The deltas of ``c``'s chain, newest first, and the chunk they rest on: a
-        self-contained one, or one predicted from an fp32 master."""
+        self-contained one, or one predicted from an fp32 master. Every link is the same
+        chunk of an earlier checkpoint (same bytes and items); a corrupt catalog whose base
+        ids loop would otherwise be walked forever."""
+        top = c
         c = resolve(c)
         deltas = []
         while codec.is_delta(c.codec):
             deltas.append(c)
-            assert c.base_id is not None
-            c = resolve(closure[c.base_id])
+            if len(deltas) > len(closure):
+                raise CorruptData(f"the catalog's chain of chunk {top.id} forms a cycle")
+            c = resolve(base_of(c))
+        for link in (*deltas, c):
+            if (link.raw_len, link.itemsize) != (top.raw_len, top.itemsize):
+                raise CorruptData(
+                    f"the catalog's chunk {link.id} ({link.raw_len} bytes of {link.itemsize}"
+                    f"-byte items) cannot be in the chain of chunk {top.id} ({top.raw_len} "
+                    f"bytes of {top.itemsize}-byte items)"
+                )
         return deltas, c
+
+    def master_of(c: ChunkInfo) -> ChunkInfo:
+        """The fp32 chunk that the bf16/f16 chunk ``c`` is predicted from: as many items."""
+        master = resolve(base_of(c))
+        if c.itemsize != 2 or master.itemsize != 4 or master.raw_len != 2 * c.raw_len:
+            raise CorruptData(
+                f"the catalog's chunk {master.id} ({master.raw_len} bytes of "
+                f"{master.itemsize}-byte items) cannot predict chunk {c.id} ({c.raw_len} "
+                f"bytes of {c.itemsize}-byte items)"
+            )
+        return master
 
     def decode(c: ChunkInfo) -> Piece:
         """The raw bytes of ``c``: its chain back to a self-contained chunk, or to a chunk
-        predicted from an fp32 master (decoded first, then cast), decoded forward."""
+        predicted from an fp32 master (decoded first, then cast), decoded forward, checked
+        against ``c``'s own checksum (a ref's is that of the bytes it refers to: a ref whose
+        base id points at another chunk must not pass for it)."""
+        want = c
         deltas, c = chain(c)
         cast = codec.split_cast(c.codec)
         if cast is None:
             links = [(c.codec, fetch(c))]
         else:
-            assert c.base_id is not None
-            master = resolve(closure[c.base_id])
+            master = master_of(c)
             with kept_lock:
                 source = kept.pop(master.id, None)
             if source is None:
-                source = decode(master)
+                source = decode(master)  # 4-byte items: not predicted itself, no recursion
             links = [(codec.RAW, codec.cast_prediction(source, cast[0]))]
             if cast[1] != codec.REF:
                 links.append((cast[1], fetch(c)))
         links += [(d.codec, fetch(d)) for d in reversed(deltas)]
-        top = deltas[0] if deltas else c
         t0 = time.perf_counter()
-        out = codec.decode_chain(links, top.itemsize, top.raw_len, top.checksum)
+        out = codec.decode_chain(links, want.itemsize, want.raw_len, want.checksum)
         stats.decode_s += time.perf_counter() - t0
         return out
 
@@ -281,8 +315,7 @@ def _from_storage(
     for c in chunks:
         _, bottom = chain(c)
         if codec.split_cast(bottom.codec) is not None:
-            assert bottom.base_id is not None
-            masters.add(resolve(closure[bottom.base_id]).id)
+            masters.add(master_of(bottom).id)
     kept: dict[int, Piece] = {}
     kept_lock = threading.Lock()
     keep_budget = 2 * rt.in_flight * rt.settings.chunk_bytes

@@ -41,6 +41,7 @@ from sqlalchemy.pool import NullPool
 from ckptstore.errors import (
     CheckpointExists,
     CheckpointNotFound,
+    CorruptData,
     RunNotFound,
     StorageUnavailable,
 )
@@ -552,7 +553,9 @@ class Catalog:
                 known.update((c.id, c) for c in map(self._chunk, s.execute(query).all()))
         lost = {c.base_id for c in known.values() if c.base_id is not None} - known.keys()
         if lost:
-            raise RuntimeError(f"catalog lost chunks {sorted(lost)[:5]}")
+            raise CorruptData(
+                f"the catalog's chunks name base chunks it has not: {sorted(lost)[:5]}"
+            )
         return known
 
     def _closure_query(self, ids: list[int]) -> Any:
