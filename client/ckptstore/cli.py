@@ -85,8 +85,9 @@ def _db(args: argparse.Namespace) -> int:
             print("schema revision: none")
             return 0
         print(f"schema revision: {catalog.revision() or 'none'}")
-    except (SQLAlchemyError, CkptStoreError) as exc:
-        print(f"ckptstore: cannot use the database at {url}: {exc}", file=sys.stderr)
+    except (SQLAlchemyError, CkptStoreError, OSError) as exc:  # OSError: the SQLite folder
+        shown = make_url(url).render_as_string(hide_password=True)
+        print(f"ckptstore: cannot use the database at {shown}: {exc}", file=sys.stderr)
         return 1
     finally:
         catalog.close()

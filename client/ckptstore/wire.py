@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections import Counter
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -139,11 +140,10 @@ def _as_int(value: object, what: str) -> int:
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     """json object hook: a key given twice (two tensors of one name) makes the header ambiguous."""
-    obj: dict[str, object] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise InvalidStream(f"header names {key!r} twice")
-        obj[key] = value
+    obj = dict(pairs)  # in C: the check costs a length comparison unless a key repeats
+    if len(obj) != len(pairs):
+        twice = next(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
+        raise InvalidStream(f"header names {twice!r} twice")
     return obj
 
 
@@ -175,8 +175,8 @@ def _parse_header_json(raw: bytes, header_len: int) -> Header:
     for name, info in obj.items():
         if not name:
             raise InvalidStream("empty tensor name")
-        if "\x00" in name or not _is_text(name):
-            raise InvalidStream(f"tensor name {name!r} holds NUL or a lone surrogate")
+        if not _is_text(name):
+            raise InvalidStream(f"tensor name {name!r} holds a lone surrogate")
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise InvalidStream(f"tensor {name!r}: expected keys dtype, shape, data_offsets")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]

@@ -77,6 +77,11 @@ def _check_metadata(header: Header) -> None:
     "tensor", "n": NAME}``, or an ``ndarray`` sent as a tensor) present in the header. A plain
     safetensors file has neither key and is stored as it is.
     """
+    for t in header.tensors:
+        # here, not in the wire parser the client shares: checkpoints stored on SQLite by
+        # clients that sent NUL still download
+        if "\x00" in t.name:
+            raise InvalidStream(f"tensor name {t.name!r} holds NUL, which PostgreSQL refuses")
     meta = header.metadata
     fmt = meta.get("format", "")
     # other writers' formats ({"format": "pt"} from transformers) are plain safetensors files
@@ -313,13 +318,28 @@ def _encode_job(
     return codec.encode_chunk(raw.data, parent, itemsize, level, delta=delta)
 
 
-def _cleanup(fn: Callable[..., object], *args: object) -> None:
+def _cleanup(fn: Callable[..., object], *args: object) -> bool:
     """One clean-up step after a failed save; its own failure is logged, not raised (the
-    ``writing`` row and blob it leaves are collected at the next start-up)."""
+    ``writing`` row and blob it leaves are collected at the next start-up). Returns whether
+    it succeeded."""
     try:
         fn(*args)
     except Exception as exc:
         log.warning("clean-up after a failed save: %s: %s", type(exc).__name__, exc)
+        return False
+    return True
+
+
+def _blob_gone(store: BlobStore, key: str) -> bool:
+    """Delete a failed save's blob; whether it is gone (or was never written). Only then may
+    its ``writing`` row go: the row is what names a finished blob to the start-up
+    collection, which nothing else would ever find."""
+    if _cleanup(store.delete, key):
+        return True
+    try:
+        return not store.exists(key)
+    except Exception:
+        return False
 
 
 def _inline(fn: Callable[..., codec.EncodedChunk], *args: object) -> Future[codec.EncodedChunk]:
@@ -643,10 +663,11 @@ def _store(
                         p.future.exception()  # wait: the job may still write to cache_fd
                 # Each step on its own: the save's own error is what the client must see
                 # (a blob store that refused the write refuses the delete too), and the
-                # steps after a failed one still run.
+                # steps after a failed one still run, but for the row of a blob that may
+                # still be there.
                 _cleanup(writer.abort)
-                _cleanup(rt.store.delete, blob_key)
-                _cleanup(rt.catalog.abort_upload, checkpoint_id)
+                if _blob_gone(rt.store, blob_key):
+                    _cleanup(rt.catalog.abort_upload, checkpoint_id)
                 _cleanup(rt.cache.discard, cache_tmp)
         finally:
             if base_fd is not None:

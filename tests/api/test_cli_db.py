@@ -51,3 +51,29 @@ def test_unreachable_database_is_a_message_not_a_traceback(tmp_path: Path) -> No
         assert done.returncode == 1
         assert done.stderr.startswith("ckptstore: "), done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_the_message_hides_the_password_and_covers_a_folder_it_cannot_make(
+    tmp_path: Path,
+) -> None:
+    # the message printed the URL whole, password included; and a folder that cannot be
+    # made (here: under a file) was an OSError traceback
+    done = cli(
+        "db",
+        "current",
+        "--database-url",
+        "postgresql+psycopg://u:s3cret@127.0.0.1:1/x",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1 and done.stderr.startswith("ckptstore: "), done.stderr
+    assert "s3cret" not in done.stderr and "***" in done.stderr
+    # a driver that is not installed: the catalog refuses the URL before connecting
+    url = "postgresql+nodriver://u:s3cret@h/x"
+    done = cli("db", "current", "--database-url", url, cwd=tmp_path)
+    assert done.returncode == 1 and done.stderr.startswith("ckptstore: "), done.stderr
+    assert "s3cret" not in done.stderr and "***" in done.stderr
+    (tmp_path / "file").write_text("")
+    url = f"sqlite:///{tmp_path / 'file' / 'sub' / 'cat.sqlite3'}"
+    done = cli("db", "upgrade", "--database-url", url, cwd=tmp_path)
+    assert done.returncode == 1 and done.stderr.startswith("ckptstore: "), done.stderr
+    assert "Traceback" not in done.stderr

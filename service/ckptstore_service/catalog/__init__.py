@@ -123,6 +123,14 @@ class ChunkInfo(NewChunk):
     blob_key: str
 
 
+def _shown(url: str) -> str:
+    """``url`` as it may be shown in an error: without its password."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # a URL SQLAlchemy cannot parse holds no password it could hide
+        return url.split("@")[-1] if "@" in url else url
+
+
 def _utc(value: datetime) -> datetime:
     # SQLite hands back naive datetimes even for timezone-aware columns.
     return value if value.tzinfo else value.replace(tzinfo=UTC)
@@ -140,7 +148,7 @@ class Catalog:
         try:
             self.engine: Engine = create_engine(url, **kwargs)
         except Exception as exc:  # a bad URL or a missing driver
-            raise ValueError(f"cannot use database URL {url!r}: {exc}") from exc
+            raise ValueError(f"cannot use database URL {_shown(url)!r}: {exc}") from exc
         # Run locks live on connections of their own, outside the pool: an upload holds its
         # lock for its whole duration (and a writer waiting for a run's lock holds a
         # connection while it waits), so from the pool, 30 uploads in progress would take
