@@ -61,11 +61,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _db(args: argparse.Namespace) -> int:
-    from sqlalchemy.engine import make_url
     from sqlalchemy.exc import SQLAlchemyError
 
     from ckptstore.errors import CkptStoreError
-    from ckptstore_service.catalog import Catalog
+    from ckptstore_service.catalog import Catalog, shown_url
 
     url = args.database_url or _settings().resolved_database_url()
     try:
@@ -73,9 +72,8 @@ def _db(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ckptstore: {exc}", file=sys.stderr)
         return 1
+    sqlite_file = catalog.sqlite_file
     try:
-        database = make_url(url).database if catalog.url.startswith("sqlite") else None
-        sqlite_file = Path(database) if database and database != ":memory:" else None
         if args.action == "upgrade":
             if sqlite_file is not None:
                 sqlite_file.parent.mkdir(parents=True, exist_ok=True)
@@ -86,8 +84,7 @@ def _db(args: argparse.Namespace) -> int:
             return 0
         print(f"schema revision: {catalog.revision() or 'none'}")
     except (SQLAlchemyError, CkptStoreError, OSError) as exc:  # OSError: the SQLite folder
-        shown = make_url(url).render_as_string(hide_password=True)
-        print(f"ckptstore: cannot use the database at {shown}: {exc}", file=sys.stderr)
+        print(f"ckptstore: cannot use the database at {shown_url(url)}: {exc}", file=sys.stderr)
         return 1
     finally:
         catalog.close()

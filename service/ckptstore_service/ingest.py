@@ -71,10 +71,10 @@ def _check_metadata(header: Header) -> None:
     """Refuse a header whose checkpoint no client could load back (InvalidStream).
 
     The service does not interpret the skeleton (its tags belong to the client's state
-    module), but it checks what it can without torch: a ``ckptstore/`` format it knows (a
-    skeleton comes with ours only), a skeleton that
-    is JSON ``{"v": 1, "root": ...}``, and every tensor the skeleton refers to (``{"t":
-    "tensor", "n": NAME}``, or an ``ndarray`` sent as a tensor) present in the header. A plain
+    module), but it checks what it can without torch: no NUL in a tensor name, a
+    ``ckptstore/`` format it knows (a skeleton comes with ours only), a skeleton that is JSON
+    ``{"v": 1, "root": ...}``, and every tensor the skeleton refers to (``{"t": "tensor",
+    "n": NAME}``, or an ``ndarray`` sent as a tensor) present in the header. A plain
     safetensors file has neither key and is stored as it is.
     """
     for t in header.tensors:

@@ -62,6 +62,7 @@ __all__ = [
     "NewChunk",
     "RunInfo",
     "TensorInfo",
+    "shown_url",
 ]
 
 
@@ -123,7 +124,7 @@ class ChunkInfo(NewChunk):
     blob_key: str
 
 
-def _shown(url: str) -> str:
+def shown_url(url: str) -> str:
     """``url`` as it may be shown in an error: without its password."""
     try:
         return make_url(url).render_as_string(hide_password=True)
@@ -148,7 +149,7 @@ class Catalog:
         try:
             self.engine: Engine = create_engine(url, **kwargs)
         except Exception as exc:  # a bad URL or a missing driver
-            raise ValueError(f"cannot use database URL {_shown(url)!r}: {exc}") from exc
+            raise ValueError(f"cannot use database URL {shown_url(url)!r}: {exc}") from exc
         # Run locks live on connections of their own, outside the pool: an upload holds its
         # lock for its whole duration (and a writer waiting for a run's lock holds a
         # connection while it waits), so from the pool, 30 uploads in progress would take
@@ -161,7 +162,9 @@ class Catalog:
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._locks: dict[str, threading.Lock] = {}
         database = make_url(url).database if url.startswith("sqlite") else None
-        self._lock_dir = Path(database + ".locks") if database and database != ":memory:" else None
+        #: the SQLite file, None for PostgreSQL or an in-memory database
+        self.sqlite_file = Path(database) if database and database != ":memory:" else None
+        self._lock_dir = None if self.sqlite_file is None else Path(f"{self.sqlite_file}.locks")
         self._locks_guard = threading.Lock()
 
     def close(self) -> None:
