@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptstore.errors import CkptStoreError, InternalError, InvalidRequest, NotFound
 from ckptstore_service.api.routes import router
+from ckptstore_service.reroot import Maintenance
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
 
@@ -36,9 +37,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         runtime = await run_in_threadpool(Runtime.open, settings)
         app.state.runtime = runtime
         app.state.upload_limiter = anyio.CapacityLimiter(settings.max_concurrent_uploads)
+        app.state.maintenance = Maintenance(runtime)
         try:
             yield
         finally:
+            await run_in_threadpool(app.state.maintenance.close)
             await run_in_threadpool(runtime.close)
 
     app = FastAPI(title="ckptstore", version="0.1.0", lifespan=lifespan)

@@ -33,7 +33,15 @@ from ckptstore_service.catalog import CheckpointInfo, ChunkInfo, TensorInfo
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.storage import BlobStore, Buffer
 
-__all__ = ["CHECKSUMS_KEY", "Restore", "materialize", "open_restore"]
+__all__ = [
+    "CHECKSUMS_KEY",
+    "ChainDecoder",
+    "Piece",
+    "Restore",
+    "WindowReader",
+    "materialize",
+    "open_restore",
+]
 
 CHECKSUMS_KEY = "ckptstore.xxh3_128"
 _EMPTY = xxhash.xxh3_128_digest(b"")
@@ -218,51 +226,60 @@ def _check_tiling(tensors: list[TensorInfo], chunks: list[ChunkInfo]) -> None:
     _check_empty(tensors)
 
 
-def _from_storage(
-    rt: Runtime, info: CheckpointInfo, tensors: list[TensorInfo], stats: _Stats
-) -> Iterator[Piece]:
-    wanted = {t.idx for t in tensors}
-    chunks = [c for c in rt.catalog.chunks(info.id) if c.tensor_idx in wanted]
-    _check_tiling(tensors, chunks)
-    closure = rt.catalog.chunk_closure(chunks)
-    reader = _WindowReader(rt.store, closure.values())
+class ChainDecoder:
+    """Decodes chunks of a chunk tree (:meth:`Catalog.chunk_tree`): each one's chain back to
+    a self-contained chunk, or to a chunk predicted from an fp32 master, read through one
+    window reader. Thread-safe: the codec threads share one."""
 
-    def base_of(c: ChunkInfo) -> ChunkInfo:
-        if c.base_id is None or c.base_id not in closure:
+    def __init__(self, rt: Runtime, closure: dict[int, ChunkInfo], stats: _Stats | None = None):
+        self.closure = closure
+        self.stats = stats or _Stats()
+        self.reader = WindowReader(rt.store, closure.values())
+        # fp32 chunks that bf16/f16 chunks are predicted from, once decoded for their own
+        # tensor: kept (within a byte budget) until the copy needs them, instead of decoding
+        # their chain a second time (see :meth:`keep_masters`)
+        self.masters: set[int] = set()
+        self._kept: dict[int, Piece] = {}
+        self._kept_lock = threading.Lock()
+        self._keep_budget = 2 * rt.in_flight * rt.settings.chunk_bytes
+
+    def base_of(self, c: ChunkInfo) -> ChunkInfo:
+        if c.base_id is None or c.base_id not in self.closure:
             raise CorruptData(f"the catalog's chunk {c.id} ({c.codec}) has no base chunk")
-        return closure[c.base_id]
+        return self.closure[c.base_id]
 
-    def resolve(c: ChunkInfo) -> ChunkInfo:
+    def resolve(self, c: ChunkInfo) -> ChunkInfo:
+        """The chunk that ``c`` is, following refs (each points at the chunk it equals)."""
         hops = 0
-        while c.codec == codec.REF:  # a ref points at the chunk it equals
-            c = base_of(c)
+        while c.codec == codec.REF:
+            c = self.base_of(c)
             hops += 1
-            if hops > len(closure):
+            if hops > len(self.closure):
                 raise CorruptData(f"the catalog's references from chunk {c.id} form a cycle")
         return c
 
-    def fetch(c: ChunkInfo) -> Buffer:
+    def fetch(self, c: ChunkInfo) -> Buffer:
         t0 = time.perf_counter()
         try:
-            data = reader.get(c.blob_key, c.blob_offset, c.blob_offset + c.stored_len)
+            data = self.reader.get(c.blob_key, c.blob_offset, c.blob_offset + c.stored_len)
         except ValueError as exc:  # the store's word for a range outside the blob
             raise CorruptData(f"the catalog's chunk {c.id} is not in its blob: {exc}") from exc
-        stats.fetch_s += time.perf_counter() - t0
+        self.stats.fetch_s += time.perf_counter() - t0
         return data
 
-    def chain(c: ChunkInfo) -> tuple[list[ChunkInfo], ChunkInfo]:
+    def chain(self, c: ChunkInfo) -> tuple[list[ChunkInfo], ChunkInfo]:
         """The deltas of ``c``'s chain, newest first, and the chunk they rest on: a
         self-contained one, or one predicted from an fp32 master. Every link is the same
         chunk of an earlier checkpoint (same bytes and items); a corrupt catalog whose base
         ids loop would otherwise be walked forever."""
         top = c
-        c = resolve(c)
+        c = self.resolve(c)
         deltas = []
         while codec.is_delta(c.codec):
             deltas.append(c)
-            if len(deltas) > len(closure):
+            if len(deltas) > len(self.closure):
                 raise CorruptData(f"the catalog's chain of chunk {top.id} forms a cycle")
-            c = resolve(base_of(c))
+            c = self.resolve(self.base_of(c))
         for link in (*deltas, c):
             if (link.raw_len, link.itemsize) != (top.raw_len, top.itemsize):
                 raise CorruptData(
@@ -272,9 +289,9 @@ def _from_storage(
                 )
         return deltas, c
 
-    def master_of(c: ChunkInfo) -> ChunkInfo:
+    def master_of(self, c: ChunkInfo) -> ChunkInfo:
         """The fp32 chunk that the bf16/f16 chunk ``c`` is predicted from: as many items."""
-        master = resolve(base_of(c))
+        master = self.resolve(self.base_of(c))
         if c.itemsize != 2 or master.itemsize != 4 or master.raw_len != 2 * c.raw_len:
             raise CorruptData(
                 f"the catalog's chunk {master.id} ({master.raw_len} bytes of "
@@ -283,51 +300,58 @@ def _from_storage(
             )
         return master
 
-    def decode(c: ChunkInfo) -> Piece:
+    def keep_masters(self, chunks: Iterable[ChunkInfo]) -> None:
+        """Keep the fp32 masters of the copies among ``chunks`` once decoded (see
+        :meth:`decode_and_keep`)."""
+        for c in chunks:
+            _, bottom = self.chain(c)
+            if codec.split_cast(bottom.codec) is not None:
+                self.masters.add(self.master_of(bottom).id)
+
+    def decode(self, c: ChunkInfo) -> Piece:
         """The raw bytes of ``c``: its chain back to a self-contained chunk, or to a chunk
         predicted from an fp32 master (decoded first, then cast), decoded forward, checked
         against ``c``'s own checksum (a ref's is that of the bytes it refers to: a ref whose
         base id points at another chunk must not pass for it)."""
         want = c
-        deltas, c = chain(c)
+        deltas, c = self.chain(c)
         cast = codec.split_cast(c.codec)
         if cast is None:
-            links = [(c.codec, fetch(c))]
+            links = [(c.codec, self.fetch(c))]
         else:
-            master = master_of(c)
-            with kept_lock:
-                source = kept.pop(master.id, None)
+            master = self.master_of(c)
+            with self._kept_lock:
+                source = self._kept.pop(master.id, None)
             if source is None:
-                source = decode(master)  # 4-byte items: not predicted itself, no recursion
+                source = self.decode(master)  # 4-byte items: not predicted, no recursion
             links = [(codec.RAW, codec.cast_prediction(source, cast[0]))]
             if cast[1] != codec.REF:
-                links.append((cast[1], fetch(c)))
-        links += [(d.codec, fetch(d)) for d in reversed(deltas)]
+                links.append((cast[1], self.fetch(c)))
+        links += [(d.codec, self.fetch(d)) for d in reversed(deltas)]
         t0 = time.perf_counter()
         out = codec.decode_chain(links, want.itemsize, want.raw_len, want.checksum)
-        stats.decode_s += time.perf_counter() - t0
+        self.stats.decode_s += time.perf_counter() - t0
         return out
 
-    # fp32 chunks that bf16/f16 chunks of this load are predicted from: decoded once for
-    # their own tensor and kept (within a byte budget) until the copy needs them, instead
-    # of decoding their chain a second time
-    masters = set()
-    for c in chunks:
-        _, bottom = chain(c)
-        if codec.split_cast(bottom.codec) is not None:
-            masters.add(master_of(bottom).id)
-    kept: dict[int, Piece] = {}
-    kept_lock = threading.Lock()
-    keep_budget = 2 * rt.in_flight * rt.settings.chunk_bytes
-
-    def decode_and_keep(c: ChunkInfo) -> Piece:
-        out = decode(c)
-        resolved = resolve(c).id
-        if resolved in masters:
-            with kept_lock:
-                if sum(map(len, kept.values())) + len(out) <= keep_budget:
-                    kept[resolved] = out
+    def decode_and_keep(self, c: ChunkInfo) -> Piece:
+        out = self.decode(c)
+        resolved = self.resolve(c).id
+        if resolved in self.masters:
+            with self._kept_lock:
+                if sum(map(len, self._kept.values())) + len(out) <= self._keep_budget:
+                    self._kept[resolved] = out
         return out
+
+
+def _from_storage(
+    rt: Runtime, info: CheckpointInfo, tensors: list[TensorInfo], stats: _Stats
+) -> Iterator[Piece]:
+    wanted = {t.idx for t in tensors}
+    own, closure = rt.catalog.chunk_tree(info.id)
+    chunks = [c for c in own if c.tensor_idx in wanted]
+    _check_tiling(tensors, chunks)
+    decoder = ChainDecoder(rt, closure, stats)
+    decoder.keep_masters(chunks)
 
     # Decoded chunks queued ahead of the one being sent, bounded in bytes rather than in
     # chunks: a state has hundreds of small tensors, and a count that keeps the codec threads
@@ -337,7 +361,7 @@ def _from_storage(
     queued = 0
     try:
         for c in chunks:
-            pending.append((c.raw_len, rt.pool.submit(decode_and_keep, c)))
+            pending.append((c.raw_len, rt.pool.submit(decoder.decode_and_keep, c)))
             queued += c.raw_len
             while queued > budget or len(pending) > _MAX_AHEAD:
                 size, fut = pending.popleft()
@@ -358,7 +382,7 @@ class _Window:
     data: Future[Buffer]
 
 
-class _WindowReader:
+class WindowReader:
     """Ranged blob reads coalesced into windows: one GET serves many consecutive chunks.
 
     A restore decodes chunks in blob order and every chain walks its blobs in that same order,

@@ -63,6 +63,17 @@ class Settings(BaseSettings):
     max_chain_depth: int = Field(
         default=10, ge=0, description="Most deltas a chunk may sit on before it is stored whole."
     )
+    reroot_depth: int = Field(
+        default=8,
+        ge=0,
+        description="When a save leaves the newest checkpoint this many deltas deep, the "
+        "segment's full checkpoint moves to its middle, in the background (0: never).",
+    )
+    garbage_grace_s: float = Field(
+        default=3600,
+        ge=0,
+        description="How long blobs that a re-root replaced stay for loads still reading them.",
+    )
     max_upload_bytes: int = Field(default=1 << 40, ge=1, description="Largest checkpoint accepted.")
     max_header_bytes: int = Field(default=100 * MiB, ge=1024)
     max_concurrent_uploads: int = Field(

@@ -74,7 +74,7 @@ def test_db_upgrade(tmp_path: Path) -> None:
     assert "none" in cli("db", "current", "--database-url", url).stdout
     done = cli("db", "upgrade", "--database-url", url)
     assert done.returncode == 0, done.stderr
-    assert "0001" in done.stdout
+    assert "0002" in done.stdout
 
 
 def test_progress_bars(service: Service, capsys: pytest.CaptureFixture[str]) -> None:

@@ -46,7 +46,7 @@ def commit(cat: Catalog, run: str, step: int, parent_id: int | None = None, **kw
 
 def test_migrations_match_the_models(catalog: Catalog) -> None:
     catalog.upgrade()  # idempotent
-    assert catalog.revision() == "0001"
+    assert catalog.revision() == "0002"
     with catalog.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diff == []
@@ -94,7 +94,7 @@ def test_parents_latest_and_listing(catalog: Catalog) -> None:
     assert runs["run-a"].raw_bytes == 200 and runs["run-a"].stored_bytes == 80
 
 
-def test_chunk_closure_follows_chains(catalog: Catalog) -> None:
+def test_chunk_tree_follows_chains(catalog: Catalog) -> None:
     a = commit(catalog, "c", 1)
     (ca,) = catalog.chunks(a)
     delta = NewChunk(0, 0, 100, 4, "sub/1|planes4/1|zstd/1", ca.id, 1, 0, 10, b"\3" * 16)
@@ -102,11 +102,12 @@ def test_chunk_closure_follows_chains(catalog: Catalog) -> None:
     (cb,) = catalog.chunks(b)
     ref = NewChunk(0, 0, 100, 4, "ref", cb.id, 1, 0, 0, b"\3" * 16)
     c = commit(catalog, "c", 3, parent_id=b, chunks=[ref])
-    closure = catalog.chunk_closure(catalog.chunks(c))
+    own, closure = catalog.chunk_tree(c)
+    assert own == catalog.chunks(c)
     assert set(closure) == {ca.id, cb.id, catalog.chunks(c)[0].id}
 
 
-def test_chunk_closure_reaches_the_ends_of_deep_chains_in_one_query(catalog: Catalog) -> None:
+def test_chunk_tree_reaches_the_ends_of_deep_chains_in_one_query(catalog: Catalog) -> None:
     # two tensors' chunks: one chain 9 links deep, one that starts over at step 5; the
     # closure of the last checkpoint holds every link of both, and nothing else
     first = commit(catalog, "deep", 0)
@@ -127,7 +128,8 @@ def test_chunk_closure_reaches_the_ends_of_deep_chains_in_one_query(catalog: Cat
     chunks = catalog.chunks(parent)
     statements: list[str] = []
     event.listen(catalog.engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
-    closure = catalog.chunk_closure(chunks)
+    own, closure = catalog.chunk_tree(parent)
+    assert own == chunks
     assert sorted(closure) == sorted(ids + other[3:])
     assert len(statements) == 1, statements
 
@@ -150,7 +152,7 @@ def test_warm_up_compiles_every_statement_of_a_restore(database_url: str, catalo
         )
         info = fresh.get("warm", 1)
         assert len(fresh.tensors(info.id)) == 1
-        assert len(fresh.chunk_closure(fresh.chunks(info.id))) == 2
+        assert len(fresh.chunk_tree(info.id)[1]) == 2
         fresh.close()
         return verdicts
 

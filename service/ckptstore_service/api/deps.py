@@ -7,9 +7,10 @@ from typing import Annotated
 import anyio
 from fastapi import Depends, Request
 
+from ckptstore_service.reroot import Maintenance
 from ckptstore_service.runtime import Runtime
 
-__all__ = ["RuntimeDep", "UploadLimiterDep"]
+__all__ = ["MaintenanceDep", "RuntimeDep", "UploadLimiterDep"]
 
 
 def _runtime(request: Request) -> Runtime:
@@ -27,3 +28,11 @@ def _upload_limiter(request: Request) -> anyio.CapacityLimiter:
 
 
 UploadLimiterDep = Annotated[anyio.CapacityLimiter, Depends(_upload_limiter)]
+
+
+def _maintenance(request: Request) -> Maintenance:
+    maintenance: Maintenance = request.app.state.maintenance
+    return maintenance
+
+
+MaintenanceDep = Annotated[Maintenance, Depends(_maintenance)]

@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ckptstore.errors import InvalidRequest
 from ckptstore_service.api.body import BodyPipe, drain, pump, receive_body
-from ckptstore_service.api.deps import RuntimeDep, UploadLimiterDep
+from ckptstore_service.api.deps import MaintenanceDep, RuntimeDep, UploadLimiterDep
 from ckptstore_service.api.schemas import CheckpointOut, CheckpointsOut, RunOut, RunsOut
 from ckptstore_service.catalog import CheckpointInfo
 from ckptstore_service.ingest import ingest
@@ -24,9 +24,11 @@ router = APIRouter()
 
 
 @router.get("/healthz")
-async def healthz(rt: RuntimeDep) -> dict[str, str]:
+async def healthz(rt: RuntimeDep, maintenance: MaintenanceDep) -> dict[str, str | int]:
+    """Up, with the database reachable; ``maintenance``: runs with background work queued
+    or in progress (re-rooting, garbage collection)."""
     await run_in_threadpool(rt.catalog.ping)
-    return {"status": "ok"}
+    return {"status": "ok", "maintenance": maintenance.pending}
 
 
 @router.get("/v1/runs")
@@ -64,7 +66,12 @@ async def load_checkpoint(
 
 @router.post("/v1/runs/{run}/checkpoints/{step}", status_code=201, response_model=CheckpointOut)
 async def save_checkpoint(
-    run: str, step: str, request: Request, rt: RuntimeDep, uploads: UploadLimiterDep
+    run: str,
+    step: str,
+    request: Request,
+    rt: RuntimeDep,
+    uploads: UploadLimiterDep,
+    maintenance: MaintenanceDep,
 ) -> JSONResponse:
     check_run_name(run)
     step_n = parse_step(step)
@@ -93,6 +100,8 @@ async def save_checkpoint(
             await drain(request)
         raise failure[0]
     info, created = outcome[0]
+    if created:
+        maintenance.after_save(run)
     return JSONResponse(
         CheckpointOut.model_validate(info).model_dump(mode="json"),
         status_code=201 if created else 200,

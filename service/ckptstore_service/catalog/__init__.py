@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,6 +24,7 @@ from typing import Any
 
 from sqlalchemy import (
     Engine,
+    bindparam,
     create_engine,
     delete,
     event,
@@ -51,6 +52,7 @@ from ckptstore_service.catalog.models import (
     Base,
     Checkpoint,
     Chunk,
+    Garbage,
     Run,
     TensorRow,
 )
@@ -121,7 +123,8 @@ class NewChunk:
 @dataclass(frozen=True, slots=True)
 class ChunkInfo(NewChunk):
     id: int
-    blob_key: str
+    blob_key: str  # of its checkpoint
+    checkpoint_id: int
 
 
 def shown_url(url: str) -> str:
@@ -536,7 +539,9 @@ class Catalog:
 
     def _chunk_query(self) -> Any:
         return select(
-            *(getattr(Chunk, name) for name in self._CHUNK_COLUMNS), Checkpoint.blob_key
+            *(getattr(Chunk, name) for name in self._CHUNK_COLUMNS),
+            Checkpoint.blob_key,
+            Chunk.checkpoint_id,
         ).join(Checkpoint, Checkpoint.id == Chunk.checkpoint_id)
 
     @classmethod
@@ -552,31 +557,131 @@ class Catalog:
         with self._session() as s:
             return [self._chunk(r) for r in s.execute(query).all()]
 
-    def chunk_closure(self, chunks: Iterable[ChunkInfo]) -> dict[int, ChunkInfo]:
-        """``chunks`` plus every chunk their chains reach, by id: one recursive query per
-        500 chains rather than one query per link (a chain 8 deep took 8 round trips, 20-35
-        ms of a cold restore's wait before its first byte)."""
-        known = {c.id: c for c in chunks}
-        wanted = sorted({c.base_id for c in known.values() if c.base_id is not None} - known.keys())
+    def chunk_tree(self, checkpoint_id: int) -> tuple[list[ChunkInfo], dict[int, ChunkInfo]]:
+        """The checkpoint's chunks (in tensor and offset order) and, by id, those chunks plus
+        every chunk their chains reach.
+
+        One statement (one recursive query, so one snapshot on SQLite and on PostgreSQL alike):
+        a re-root rewrites the chains of committed chunks (codec, base, blob), and reads on
+        either side of its commit would mix the old shape and the new one. A chain 8 deep
+        also took 8 round trips link by link, 20-35 ms of a cold restore's first byte.
+        """
+        seed = select(Chunk.id, Chunk.base_id).where(Chunk.checkpoint_id == checkpoint_id)
+        reach = seed.cte("reach", recursive=True)
+        reach = reach.union(
+            select(Chunk.id, Chunk.base_id).join(reach, Chunk.id == reach.c.base_id)
+        )
+        query = self._chunk_query().where(Chunk.id.in_(select(reach.c.id)))
         with self._session() as s:
-            for i in range(0, len(wanted), 500):
-                query = self._closure_query(wanted[i : i + 500])
-                known.update((c.id, c) for c in map(self._chunk, s.execute(query).all()))
+            known = {c.id: c for c in map(self._chunk, s.execute(query).all())}
+        own = [c for c in known.values() if c.checkpoint_id == checkpoint_id]
         lost = {c.base_id for c in known.values() if c.base_id is not None} - known.keys()
         if lost:
             raise CorruptData(
                 f"the catalog's chunks name base chunks it has not: {sorted(lost)[:5]}"
             )
-        return known
+        own.sort(key=lambda c: (c.tensor_idx, c.offset))
+        return own, known
 
-    def _closure_query(self, ids: list[int]) -> Any:
-        """The chunks ``ids`` and every chunk their chains reach."""
-        seed = select(Chunk.id, Chunk.base_id).where(Chunk.id.in_(ids))
-        reach = seed.cte("reach", recursive=True)
-        reach = reach.union(
-            select(Chunk.id, Chunk.base_id).join(reach, Chunk.id == reach.c.base_id)
+    def descendants(self, ids: Collection[int]) -> list[ChunkInfo]:
+        """Every chunk whose chain passes through one of the chunks ``ids`` (a delta, ref or
+        copy of one of them, or of such a chunk, and so on), not those chunks themselves."""
+        found: dict[int, ChunkInfo] = {}
+        ordered = sorted(ids)
+        with self._session() as s:
+            for i in range(0, len(ordered), 500):
+                seed = select(Chunk.id).where(Chunk.base_id.in_(ordered[i : i + 500]))
+                reach = seed.cte("down", recursive=True)
+                reach = reach.union(select(Chunk.id).join(reach, Chunk.base_id == reach.c.id))
+                query = self._chunk_query().where(Chunk.id.in_(select(reach.c.id)))
+                found.update((c.id, c) for c in map(self._chunk, s.execute(query).all()))
+        return [c for c in found.values() if c.id not in ids]
+
+    # -- re-rooting and garbage -------------------------------------------------------------
+
+    def add_garbage(self, run: str, keys: Iterable[str], not_before: datetime) -> None:
+        """Name blobs to delete once ``not_before`` has passed."""
+        run_id = self.ensure_run(run)
+        rows = [{"run_id": run_id, "blob_key": k, "not_before": not_before} for k in keys]
+        if rows:
+            with self._session() as s:
+                s.execute(insert(Garbage), rows)
+
+    def garbage(self, run: str | None, now: datetime) -> list[tuple[int, str, str]]:
+        """``(id, run, blob_key)`` of the blobs due for deletion (of one run, or of all)."""
+        query = (
+            select(Garbage.id, Run.name, Garbage.blob_key)
+            .join(Run, Run.id == Garbage.run_id)
+            .where(Garbage.not_before <= now)
+            .order_by(Garbage.id)
         )
-        return self._chunk_query().where(Chunk.id.in_(select(reach.c.id)))
+        if run is not None:
+            query = query.where(Run.name == run)
+        with self._session() as s:
+            return [(i, r, k) for i, r, k in s.execute(query).all()]
+
+    def drop_garbage(self, garbage_id: int) -> None:
+        with self._session() as s:
+            s.execute(delete(Garbage).where(Garbage.id == garbage_id))
+
+    def blob_in_use(self, key: str) -> bool:
+        """Whether any checkpoint row (committed or being written) names blob ``key``."""
+        with self._session() as s:
+            return bool(s.scalar(select(func.count()).where(Checkpoint.blob_key == key)))
+
+    def commit_reroot(
+        self,
+        run: str,
+        *,
+        chunks: Sequence[Mapping[str, Any]],
+        checkpoints: Sequence[Mapping[str, Any]],
+        written: Sequence[str],
+        retired: Sequence[str],
+        not_before: datetime,
+    ) -> None:
+        """Make a re-root visible, in one transaction: the chunk rows' new ``codec``,
+        ``base_id``, ``depth``, ``blob_offset`` and ``stored_len`` (keys ``id`` and those),
+        the checkpoints' new ``blob_key``, ``stored_bytes``, ``chain_depth`` and ``keyframe``
+        (keys ``id``, ``old_blob_key`` and those), the ``written`` blobs no longer garbage,
+        the ``retired`` ones garbage from ``not_before``. Raises CorruptData, changing
+        nothing, if a checkpoint's blob is not ``old_blob_key`` any more."""
+        run_id = self.ensure_run(run)
+        table = Base.metadata.tables[Chunk.__tablename__]
+        fields = ("codec", "base_id", "depth", "blob_offset", "stored_len")
+        with self._session() as s:
+            for ck in checkpoints:
+                current = s.scalar(select(Checkpoint.blob_key).where(Checkpoint.id == ck["id"]))
+                if current != ck["old_blob_key"]:
+                    raise CorruptData(f"checkpoint {ck['id']} changed during its re-root")
+            if chunks:
+                s.execute(
+                    update(table)
+                    .where(table.c.id == bindparam("b_id"))
+                    .values({f: bindparam(f"b_{f}") for f in fields}),
+                    [{f"b_{k}": v for k, v in row.items()} for row in chunks],
+                )
+            for ck in checkpoints:
+                s.execute(
+                    update(Checkpoint)
+                    .where(Checkpoint.id == ck["id"])
+                    .values(
+                        blob_key=ck["blob_key"],
+                        stored_bytes=ck["stored_bytes"],
+                        chain_depth=ck["chain_depth"],
+                        keyframe=ck["keyframe"],
+                    )
+                )
+            if written:
+                s.execute(
+                    delete(Garbage).where(
+                        Garbage.run_id == run_id, Garbage.blob_key.in_(list(written))
+                    )
+                )
+            if retired:
+                s.execute(
+                    insert(Garbage),
+                    [{"run_id": run_id, "blob_key": k, "not_before": not_before} for k in retired],
+                )
 
     def warm_up(self) -> None:
         """Run the load path's queries once on ids that do not exist: SQLAlchemy compiles a
@@ -586,9 +691,7 @@ class Catalog:
         self.find("", 0)
         self.parent_of("", 0)
         self.tensors(-1)
-        self.chunks(-1)
-        with self._session() as s:
-            s.execute(self._closure_query([-1])).all()
+        self.chunk_tree(-1)
 
 
 _MIGRATION_LOCK = 0x636B7074  # "ckpt"

@@ -1,4 +1,4 @@
-"""SQLAlchemy 2.0 models of the catalog: runs, checkpoints, tensors, chunks.
+"""SQLAlchemy 2.0 models of the catalog: runs, checkpoints, tensors, chunks, garbage.
 
 A checkpoint row is inserted as ``writing`` before its bytes are uploaded (so a crashed upload
 leaves a row that names its orphaned blob) and flipped to ``committed`` in the same transaction
@@ -25,7 +25,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["Base", "Checkpoint", "Chunk", "Run", "TensorRow"]
+__all__ = ["Base", "Checkpoint", "Chunk", "Garbage", "Run", "TensorRow"]
 
 WRITING = "writing"
 COMMITTED = "committed"
@@ -113,3 +113,15 @@ class Chunk(Base):
     blob_offset: Mapped[int] = mapped_column(BigInteger)
     stored_len: Mapped[int] = mapped_column(BigInteger)
     checksum: Mapped[bytes] = mapped_column(LargeBinary(16))  # xxh3-128 of the raw bytes
+
+
+class Garbage(Base):
+    """A blob to delete once ``not_before`` has passed (and its run's lock is free)."""
+
+    __tablename__ = "garbage"
+    __table_args__ = (Index("ix_garbage_not_before", "not_before"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    blob_key: Mapped[str] = mapped_column(String(512))
+    not_before: Mapped[datetime] = mapped_column(DateTime(timezone=True))

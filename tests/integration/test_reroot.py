@@ -1,0 +1,296 @@
+"""Re-rooting rewrites committed checkpoints: every one must still load bit-exactly, during
+and after, and nothing may be left behind or lost, on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from test_chains import assert_identical, training_states
+
+from ckptstore import CheckpointClient
+from ckptstore.errors import StorageUnavailable
+from ckptstore_service.reroot import collect_garbage, reroot
+from ckptstore_service.runtime import Runtime
+from ckptstore_service.settings import Settings
+from serviceproc import Service
+
+REROOT = 4
+STEPS = 12
+ENV = {
+    "CKPTSTORE_REROOT_DEPTH": str(REROOT),
+    "CKPTSTORE_KEYFRAME_INTERVAL": "100",
+    "CKPTSTORE_MAX_CHAIN_DEPTH": "100",
+    # small chunks: each tensor several chunks, so chains branch and refs cross checkpoints
+    "CKPTSTORE_CHUNK_BYTES": str(64 << 10),
+}
+
+
+@pytest.fixture(scope="module")
+def states() -> list[dict[str, Any]]:
+    return training_states(STEPS)
+
+
+def wait_idle(svc: Service, timeout: float = 60.0) -> None:
+    """Until the service has no background work queued (re-roots, garbage)."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{svc.url}/healthz", timeout=5).json()["maintenance"]:
+        assert time.monotonic() < deadline, "background maintenance did not finish"
+        time.sleep(0.05)
+
+
+def blob_files(data_dir: Path) -> dict[str, int]:
+    root = data_dir / "blobs"
+    return {
+        str(p.relative_to(root)): p.stat().st_size
+        for p in root.rglob("*.blob")
+        if p.is_file() and p.relative_to(root).parts[0] != "tmp"
+    }
+
+
+def check_all(client: CheckpointClient, states: list[dict[str, Any]], run: str) -> None:
+    for step, state in enumerate(states):
+        assert_identical(client.load(run, step), state, f"step {step}")
+
+
+def test_reroot_keeps_every_checkpoint_and_halves_the_depth(
+    make_service: Callable[..., Service], database_url: str, states: list[dict[str, Any]]
+) -> None:
+    svc = make_service(
+        env={**ENV, "CKPTSTORE_DATABASE_URL": database_url, "CKPTSTORE_GARBAGE_GRACE_S": "0"}
+    )
+    client = CheckpointClient(svc.url)
+    linear = make_service(env={**ENV, "CKPTSTORE_REROOT_DEPTH": "0"})
+    plain = CheckpointClient(linear.url)
+    for step, state in enumerate(states):
+        client.save("r", step, state)
+        plain.save("r", step, state)
+        wait_idle(svc)
+        infos = client.list("r")
+        # the newest checkpoint never stays REROOT deep: the save that made it so re-rooted
+        assert infos[-1].chain_depth < REROOT, [i.chain_depth for i in infos]
+    infos = client.list("r")
+    before = plain.list("r")
+    depths = [i.chain_depth for i in infos]
+    # the same run, not re-rooted (the bf16 copies add one link: they are casts)
+    assert [i.chain_depth for i in before] == list(range(1, STEPS + 1))
+    # the root moved towards the newest checkpoint: the oldest ones are the deepest now
+    assert depths[0] == max(depths) > depths[-1]
+    assert sum(d == min(depths) for d in depths) == 1
+    # a delta is still one checkpoint long: hardly more bytes than the linear chain
+    stored = sum(i.stored_bytes for i in infos)
+    assert stored <= 1.05 * sum(i.stored_bytes for i in before)
+    check_all(client, states, "r")
+    # nothing left behind: the blobs are exactly the checkpoints' (grace 0), sizes reported
+    if database_url.startswith("sqlite"):
+        with sqlite3.connect(database_url.removeprefix("sqlite:///")) as db:
+            keys = {k for (k,) in db.execute("SELECT blob_key FROM checkpoints")}
+            assert db.execute("SELECT count(*) FROM garbage").fetchone() == (0,)
+        files = blob_files(svc.data_dir)
+        assert set(files) == keys
+        assert sum(files.values()) == stored
+    # and after a restart (no base cache: every load decodes from storage)
+    svc.stop()
+    for p in (svc.data_dir / "cache").rglob("*"):
+        if p.is_file():
+            p.unlink()
+    svc.start()
+    check_all(client, states, "r")
+    # the run goes on: later saves delta against the re-rooted chain
+    more = training_states(STEPS + 3)[STEPS:]
+    for i, state in enumerate(more):
+        client.save("r", STEPS + i, state)
+    wait_idle(svc)
+    check_all(client, states + more, "r")
+
+
+def test_loads_during_reroots_are_exact(
+    make_service: Callable[..., Service], database_url: str, states: list[dict[str, Any]]
+) -> None:
+    """Loads of every step race the saves and the re-roots they set off: each one must be
+    the exact state, also when it read the catalog just before a re-root committed (its old
+    blobs stay for the grace time)."""
+    svc = make_service(env={**ENV, "CKPTSTORE_DATABASE_URL": database_url})
+    client = CheckpointClient(svc.url)
+    saved = threading.Semaphore(0)
+    done = threading.Event()
+    errors: list[BaseException] = []
+    loads = [0]
+
+    def loader(seed: int) -> None:
+        rng = random.Random(seed)
+        reader = CheckpointClient(svc.url)
+        top = -1
+        try:
+            while not done.is_set() or loads[0] < 40:
+                while saved.acquire(blocking=False):
+                    top += 1
+                if top < 0:
+                    time.sleep(0.01)
+                    continue
+                step = rng.randint(0, top)
+                assert_identical(reader.load("r", step), states[step], f"step {step}")
+                loads[0] += 1
+        except BaseException as exc:
+            errors.append(exc)
+            done.set()
+
+    threads = [threading.Thread(target=loader, args=(i,)) for i in range(1)]
+    for t in threads:
+        t.start()
+    for step, state in enumerate(states):
+        if errors:
+            break
+        client.save("r", step, state)
+        saved.release()
+    wait_idle(svc)
+    done.set()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]
+    assert loads[0] >= 40
+    assert client.list("r")[-1].chain_depth < REROOT
+    check_all(client, states, "r")
+
+
+class FailingStore:
+    """Wraps a blob store: its ``fail_on``-th ``put_stream`` fails after the first piece (a
+    full disk, a lost S3 connection in the middle of a re-root)."""
+
+    def __init__(self, store: Any, fail_on: int) -> None:
+        self._store = store
+        self._calls = 0
+        self._fail_on = fail_on
+
+    def put_stream(self, key: str, chunks: Any) -> int:
+        self._calls += 1
+        if self._calls != self._fail_on:
+            return int(self._store.put_stream(key, chunks))
+
+        def cut() -> Any:
+            for i, piece in enumerate(chunks):
+                if i == 1:
+                    raise StorageUnavailable("injected: the store went away mid-blob")
+                yield piece
+
+        return int(self._store.put_stream(key, cut()))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+@pytest.mark.parametrize("fail_at", ["blob", "commit"])
+def test_a_failed_reroot_changes_nothing_and_leaves_nothing(
+    make_service: Callable[..., Service],
+    tmp_path: Path,
+    states: list[dict[str, Any]],
+    fail_at: str,
+) -> None:
+    data = tmp_path / "data"
+    svc = make_service(env={**ENV, "CKPTSTORE_REROOT_DEPTH": "0"}, data_dir=data)
+    client = CheckpointClient(svc.url)
+    for step, state in enumerate(states[:7]):
+        client.save("r", step, state)
+    svc.stop()
+
+    settings = Settings(
+        data_dir=data,
+        reroot_depth=REROOT,
+        keyframe_interval=100,
+        max_chain_depth=100,
+        chunk_bytes=64 << 10,
+        garbage_grace_s=0,
+    )
+    rt = Runtime.open(settings)
+    try:
+        before = rt.catalog.list_checkpoints("r")
+        if fail_at == "blob":  # the first new blob is written, the second one fails
+            rt.store = FailingStore(rt.store, fail_on=2)
+        else:
+
+            def no_commit(*args: Any, **kwargs: Any) -> None:
+                raise StorageUnavailable("injected: the database went away at the commit")
+
+            rt.catalog.commit_reroot = no_commit  # type: ignore[method-assign]
+        with rt.catalog.run_lock("r"), pytest.raises(StorageUnavailable, match="injected"):
+            reroot(rt, "r")
+        assert rt.catalog.list_checkpoints("r") == before  # the catalog is as it was
+        # every blob written so far was named as garbage before it was written
+        now = datetime.now(UTC)
+        named = {k for _, _, k in rt.catalog.garbage("r", now)}
+        keys = {i.blob_key for i in before}
+        extra = set(blob_files(data)) - keys
+        assert extra and extra <= named
+        with rt.catalog.run_lock("r"):
+            assert collect_garbage(rt, "r") == len(named)
+        assert set(blob_files(data)) == keys
+        assert not rt.catalog.garbage("r", now)
+    finally:
+        rt.close()
+    svc.start()
+    check_all(client, states[:7], "r")
+
+
+def test_bf16_copies_and_frozen_tensors_survive(
+    make_service: Callable[..., Service],
+) -> None:
+    """Copies predicted from their fp32 master, and refs across the whole run."""
+    torch.manual_seed(1)
+    master = torch.randn(300, 257)
+    frozen = torch.randn(1000)
+    states = []
+    for _ in range(10):
+        master += 1e-3 * torch.randn_like(master)
+        states.append(
+            {
+                "master": {"w": master.clone()},
+                "model": {"w": master.bfloat16()},
+                "frozen": frozen.clone(),
+            }
+        )
+    svc = make_service(env={**ENV, "CKPTSTORE_GARBAGE_GRACE_S": "0"})
+    client = CheckpointClient(svc.url)
+    for step, state in enumerate(states):
+        client.save("b", step, state)
+    wait_idle(svc)
+    assert client.list("b")[-1].chain_depth < REROOT
+    check_all(client, states, "b")
+
+
+def test_a_load_in_progress_survives_the_reroot_of_its_chain(
+    make_service: Callable[..., Service],
+) -> None:
+    """A GET that read the catalog before a re-root committed goes on with the old chain
+    shape and the old blobs (kept for the grace time), and sends the exact bytes."""
+    torch.manual_seed(2)
+    w = torch.randn(20, 1 << 20)  # 80 MB: far more than the restore decodes ahead
+    states = []
+    for _ in range(REROOT + 1):
+        w += 1e-3 * torch.randn_like(w)
+        states.append({"w": w.clone()})
+    svc = make_service(env={**ENV, "CKPTSTORE_CHUNK_BYTES": str(4 << 20)})
+    client = CheckpointClient(svc.url)
+    for step, state in enumerate(states[:REROOT]):
+        client.save("g", step, state)
+    wait_idle(svc)
+    with httpx.stream("GET", f"{svc.url}/v1/runs/g/checkpoints/1", timeout=60) as response:
+        assert response.status_code == 200
+        body = response.iter_raw(1 << 16)
+        first = next(body)  # the restore has its chunk rows, and decodes on as we read
+        client.save("g", REROOT, states[REROOT])  # sets off the re-root of steps 0-2
+        wait_idle(svc)
+        # step 2 is the root now, steps 1 and 0 were rewritten as deltas of their successors
+        assert [i.chain_depth for i in client.list("g")] == [2, 1, 0, 1, 2]
+        data = first + b"".join(body)
+    again = httpx.get(f"{svc.url}/v1/runs/g/checkpoints/1", timeout=60).content
+    assert data == again  # the same bytes, the old shape and the new one
+    assert_identical(client.load("g", 1), states[1])
