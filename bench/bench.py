@@ -15,11 +15,12 @@ ckptstore
     (the service serves it from its base cache). ``load deep``: the checkpoint with the deepest
     chain after a service restart (the base cache is wiped at start-up, so every chunk is decoded
     from storage along its chain); the same for the first checkpoint (the keyframe) and the
-    one halfway (what each link of a chain costs). The last save sets off a re-root in the
+    one halfway (what each link of a chain costs). The last saves set off a re-root in the
     background (the newest checkpoint is 8 deep: the chain's full checkpoint moves to its
-    middle); the bench waits for it, reports its time apart, and measures the loads and the
-    stored bytes after it. Peak service memory: VmHWM minus VmRSS
-    before the first save (peak reset just before); likewise for the cold load.
+    middle, once the run has gone 1 s without a save); the bench waits for it, reports its
+    time apart, and measures the loads and the stored bytes after it. Peak service memory:
+    VmHWM minus VmRSS before the first save (peak reset just before); likewise for the cold
+    load.
 torch.save+zstd3
     ``torch.save`` into a BytesIO, then zstd level 3 (one thread; and a 2-thread variant);
     load = decompress + ``torch.load(weights_only=False)``. Kept in memory: no disk writes.
@@ -836,7 +837,8 @@ def main() -> None:
             f"save CPU {c['save_cpu_s']:.1f} s (client {c['client_cpu_s']:.1f} + service "
             f"{c['service_cpu_s']:.1f}) vs zstd3 {r['methods'][ZSTD1]['save_cpu_s']:.1f} s; "
             f"peak service memory on cold load {c['peak_service_mem_load_bytes'] / MB:.0f} MB; "
-            f"re-root after the last save (background): {c['reroot_wait_s']:.2f} s, service CPU "
+            f"re-root after the last save (background, from the save's end, 1 s quiet time "
+            f"included): {c['reroot_wait_s']:.2f} s, service CPU "
             f"{c['reroot_service_cpu_s']:.2f} s, stored {c['stored_before_reroot'] / MB:.2f} -> "
             f"{c['stored_bytes'] / MB:.2f} MB"
         )

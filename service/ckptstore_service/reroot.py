@@ -27,16 +27,16 @@ What keeps it safe:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import queue
 import tempfile
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import IO, Any
@@ -48,7 +48,14 @@ from ckptstore_service.restore import ChainDecoder, Piece, WindowReader
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.storage import Buffer
 
-__all__ = ["Maintenance", "collect_garbage", "reroot", "reroot_target"]
+__all__ = [
+    "Maintenance",
+    "collect_garbage",
+    "reroot",
+    "reroot_lock",
+    "reroot_pool",
+    "reroot_target",
+]
 
 log = logging.getLogger("ckptstore")
 
@@ -188,29 +195,57 @@ class _Spools:
 
 
 def _encode_all(
-    rt: Runtime, decoder: ChainDecoder, paths: list[list[ChunkInfo]], spools: _Spools
+    rt: Runtime,
+    decoder: ChainDecoder,
+    paths: list[list[ChunkInfo]],
+    spools: _Spools,
+    pool: Executor,
+    stop: threading.Event | None,
 ) -> None:
-    """Re-encode the chains in the codec pool, a few at a time (each holds its raw links)."""
-    pending: deque[Future[list[_Rewrite]]] = deque()
+    """Re-encode the chains in the re-root's own threads, as many at a time as fit the
+    budget of a save's chunks in flight (each holds every raw link of its chain)."""
+    budget = rt.in_flight * rt.settings.chunk_bytes
+    pending: deque[tuple[int, Future[list[_Rewrite]]]] = deque()
+    held = 0
+
+    def take() -> None:
+        nonlocal held
+        size, fut = pending.popleft()
+        held -= size
+        for r in fut.result():
+            spools.add(r)
+
     try:
         for path in paths:
-            pending.append(rt.pool.submit(_reverse, decoder, path, rt.settings.zstd_level))
-            while len(pending) > rt.workers:
-                for r in pending.popleft().result():
-                    spools.add(r)
+            if stop is not None and stop.is_set():
+                raise _Stopped
+            size = len(path) * path[0].raw_len
+            while pending and held + size > budget:
+                take()
+            pending.append((size, pool.submit(_reverse, decoder, path, rt.settings.zstd_level)))
+            held += size
         while pending:
-            for r in pending.popleft().result():
-                spools.add(r)
+            take()
     finally:
-        for fut in pending:
+        for _, fut in pending:
             fut.cancel()
 
 
-def _new_depths(
-    rt: Runtime, rewritten: dict[int, _Spooled]
-) -> tuple[dict[int, int], list[ChunkInfo]]:
-    """The depth of every chunk whose chain goes through a rewritten one, and those chunks."""
-    depth = {i: s.depth for i, s in rewritten.items()}
+def reroot_pool(workers: int) -> ThreadPoolExecutor:
+    """Threads for re-roots, apart from the codec pool that saves and loads share, and at a
+    lower CPU priority: half as many as codec threads (at least one), niced."""
+    return ThreadPoolExecutor(max(1, workers // 2), "ckptstore-reroot", initializer=_lower_priority)
+
+
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's nice is its own
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
+def _new_depths(rt: Runtime, rewritten: dict[int, int]) -> tuple[dict[int, int], list[ChunkInfo]]:
+    """The depth of every chunk whose chain goes through a rewritten one (``rewritten``:
+    their new depths), and those chunks."""
+    depth = dict(rewritten)
     below = rt.catalog.descendants(depth.keys())
     by_id = {c.id: c for c in below}
     for c in below:
@@ -228,9 +263,22 @@ def _new_depths(
     return depth, below
 
 
-def reroot(rt: Runtime, run: str) -> bool:
-    """Re-root the run's newest segment at its middle if its newest checkpoint is
-    ``reroot_depth`` deep. The caller holds the run's lock. Returns whether it did."""
+def reroot(
+    rt: Runtime,
+    run: str,
+    *,
+    pool: Executor | None = None,
+    stop: threading.Event | None = None,
+) -> bool:
+    """Re-root the run's newest segment halfway if its newest checkpoint is
+    ``reroot_depth`` deep. Returns whether it did.
+
+    The caller holds the run's re-root lock (:func:`reroot_lock`), not its lock: the decoding,
+    encoding and blob writing run while the run's saves go on (a delta of the newest
+    checkpoint does not read what changes), and the run's lock is taken for the commit only.
+    ``pool`` runs the decoding and encoding (default: one thread of its own); ``stop``, when
+    set, abandons the work between two chains or two blobs.
+    """
     found = reroot_target(rt, run)
     if found is None:
         return False
@@ -239,52 +287,41 @@ def reroot(rt: Runtime, run: str) -> bool:
     tops, closure = rt.catalog.chunk_tree(target.id)
     decoder = ChainDecoder(rt, closure)
     paths = _paths(decoder, tops)
-    if not paths:
+    if not paths or _too_deep(rt, paths, target):
         return False
     spools = _Spools(rt.cache.folder / "tmp")
     written: list[str] = []
+    registered: list[str] = []  # on the garbage table, written or not
+    committed = False
     try:
-        _encode_all(rt, decoder, paths, spools)
-        depth, below = _new_depths(rt, spools.chunks)
+        if pool is None:
+            with reroot_pool(2) as own:
+                _encode_all(rt, decoder, paths, spools, own, stop)
+        else:
+            _encode_all(rt, decoder, paths, spools, pool, stop)
         info_of = {i.id: i for i in infos}
         owners = sorted(spools.files)
         new_keys = {ck: f"runs/{run}/{info_of[ck].step}-{uuid.uuid4().hex}.blob" for ck in owners}
-        # named before they exist: a crash from here on leaves only blobs the table names
-        rt.catalog.add_garbage(run, new_keys.values(), datetime.now(UTC))
-        updates: dict[int, dict[str, Any]] = {}
-        checkpoints = []
-        for ck in sorted(set(owners) | {c.checkpoint_id for c in below}):
-            rows = rt.catalog.chunks(ck)
-            stored = info_of[ck].stored_bytes
-            if ck in spools.files:
-                stored = _rewrite_blob(rt, ck, rows, spools, new_keys[ck], updates)
-                written.append(new_keys[ck])
-            chain_depth = max((depth.get(c.id, c.depth) for c in rows), default=0)
-            checkpoints.append(
-                {
-                    "id": ck,
-                    "old_blob_key": info_of[ck].blob_key,
-                    "blob_key": new_keys.get(ck, info_of[ck].blob_key),
-                    "stored_bytes": stored,
-                    "chain_depth": chain_depth,
-                    "keyframe": chain_depth == 0,
-                }
-            )
-            for c in rows:
-                if c.id in updates:
-                    updates[c.id]["depth"] = depth.get(c.id, c.depth)
-                elif depth.get(c.id, c.depth) != c.depth:
-                    updates[c.id] = _row(c, depth=depth[c.id])
-        rt.catalog.commit_reroot(
-            run,
-            chunks=list(updates.values()),
-            checkpoints=checkpoints,
-            written=written,
-            retired=[info_of[ck].blob_key for ck in owners],
-            not_before=datetime.now(UTC) + timedelta(seconds=rt.settings.garbage_grace_s),
-        )
+        # Named before they exist: a crash from here on leaves only blobs the table names.
+        # Due only after the time a crashed upload is given: the collector must not take a
+        # blob this re-root is about to commit (and the commit checks that it did not).
+        due = datetime.now(UTC) + timedelta(seconds=rt.settings.incomplete_upload_ttl_s)
+        rt.catalog.add_garbage(run, new_keys.values(), due)
+        registered = list(new_keys.values())
+        placed: dict[int, dict[str, Any]] = {}  # the owners' rows, in their new blobs
+        stored: dict[int, int] = {}
+        for ck in owners:
+            if stop is not None and stop.is_set():
+                raise _Stopped
+            written.append(new_keys[ck])
+            stored[ck] = _rewrite_blob(rt, ck, spools, new_keys[ck], placed)
+        with rt.catalog.run_lock(run):
+            _commit(rt, run, spools, placed, stored, new_keys)
+        committed = True
     finally:
         spools.close()
+        if not committed:
+            _drop_new_blobs(rt, registered)
     log.info(
         "re-rooted %s at step %d: %d chains, %d checkpoints rewritten, in %.2fs",
         run,
@@ -294,6 +331,86 @@ def reroot(rt: Runtime, run: str) -> bool:
         time.perf_counter() - t0,
     )
     return True
+
+
+class _Stopped(Exception):
+    """The service is shutting down: a re-root in progress is abandoned."""
+
+
+def _too_deep(rt: Runtime, paths: list[list[ChunkInfo]], target: CheckpointInfo) -> bool:
+    """Whether reversing ``paths`` could take a chunk deeper than ``max_chain_depth`` (one
+    more for a bf16/f16 copy), counting every reversed link as a delta: chains that crossed
+    a keyframe through a ref, or re-roots that moved far from a segment's first checkpoint,
+    would otherwise let old checkpoints grow ever deeper."""
+    upper = {p.id: len(path) - 1 - j for path in paths for j, p in enumerate(path)}
+    depth, below = _new_depths(rt, upper)
+    limit = rt.settings.max_chain_depth
+    for c in below:
+        allowed = limit + (codec.split_cast(c.codec) is not None)
+        if depth[c.id] > max(allowed, c.depth):
+            log.info(
+                "not re-rooting %s at step %d: checkpoints before it would get %d deep",
+                target.run,
+                target.step,
+                depth[c.id],
+            )
+            return True
+    return False
+
+
+def _commit(
+    rt: Runtime,
+    run: str,
+    spools: _Spools,
+    placed: dict[int, dict[str, Any]],
+    stored: dict[int, int],
+    new_keys: dict[int, str],
+) -> None:
+    """Under the run's lock: the depths of every chunk whose chain goes through a rewritten
+    one (saves made meanwhile included), then one transaction."""
+    depth, below = _new_depths(rt, {i: s.depth for i, s in spools.chunks.items()})
+    info_of = {i.id: i for i in rt.catalog.list_checkpoints(run)}
+    updates = dict(placed)
+    checkpoints = []
+    for ck in sorted(set(new_keys) | {c.checkpoint_id for c in below}):
+        rows = rt.catalog.chunks(ck)
+        chain_depth = max((depth.get(c.id, c.depth) for c in rows), default=0)
+        checkpoints.append(
+            {
+                "id": ck,
+                "old_blob_key": info_of[ck].blob_key,
+                "blob_key": new_keys.get(ck, info_of[ck].blob_key),
+                "stored_bytes": stored.get(ck, info_of[ck].stored_bytes),
+                "chain_depth": chain_depth,
+                "keyframe": chain_depth == 0,
+            }
+        )
+        for c in rows:
+            if c.id in updates:
+                updates[c.id]["depth"] = depth.get(c.id, updates[c.id]["depth"])
+            elif depth.get(c.id, c.depth) != c.depth:
+                updates[c.id] = _row(c, depth=depth[c.id])
+    rt.catalog.commit_reroot(
+        run,
+        chunks=list(updates.values()),
+        checkpoints=checkpoints,
+        written=list(new_keys.values()),
+        retired=[info_of[ck].blob_key for ck in new_keys],
+        not_before=datetime.now(UTC) + timedelta(seconds=rt.settings.garbage_grace_s),
+    )
+
+
+def _drop_new_blobs(rt: Runtime, keys: list[str]) -> None:
+    """After a failed re-root: delete the blobs it wrote (their garbage rows go with them;
+    what cannot be deleted now stays on the table for the collector)."""
+    for key in keys:
+        try:
+            rt.store.abort_incomplete([key])
+            rt.store.delete(key)
+        except Exception as exc:
+            log.warning("cannot delete blob %r of a failed re-root yet: %s", key, exc)
+            continue
+        rt.catalog.forget_garbage(key)
 
 
 def _row(c: ChunkInfo, **changes: Any) -> dict[str, Any]:
@@ -312,13 +429,13 @@ def _row(c: ChunkInfo, **changes: Any) -> dict[str, Any]:
 def _rewrite_blob(
     rt: Runtime,
     checkpoint_id: int,
-    rows: list[ChunkInfo],
     spools: _Spools,
     key: str,
     updates: dict[int, dict[str, Any]],
 ) -> int:
     """Write checkpoint ``checkpoint_id``'s new blob (its rewritten chunks from the spool,
     the others copied from its old blob); record every row's new place in ``updates``."""
+    rows = rt.catalog.chunks(checkpoint_id)
     reader = WindowReader(rt.store, rows)
 
     def pieces() -> Iterator[Buffer]:
@@ -346,102 +463,131 @@ def _rewrite_blob(
     return rt.store.put_stream(key, pieces())
 
 
-def collect_garbage(rt: Runtime, run: str | None = None) -> int:
-    """Delete the blobs on the garbage table that are due, of ``run`` (whose lock the caller
-    holds) or of every run whose lock is free. Returns how many went."""
-    due = rt.catalog.garbage(run, datetime.now(UTC))
-    by_run: dict[str, list[tuple[int, str]]] = {}
-    for gid, name, key in due:
-        by_run.setdefault(name, []).append((gid, key))
-    gone = 0
-    for name, items in by_run.items():
-        if run is not None:
-            gone += _collect(rt, items)
-            continue
-        with rt.catalog.run_lock(name, blocking=False) as held:
-            if held:
-                gone += _collect(rt, items)
-    return gone
+def reroot_lock(rt: Runtime, run: str) -> Any:
+    """The lock one re-root of ``run`` at a time holds (across replicas), without waiting:
+    yields whether it is held. Not the run's lock: saves go on meanwhile."""
+    return rt.catalog.run_lock(f"+reroot+{run}", blocking=False)  # '+' is in no run name
 
 
-def _collect(rt: Runtime, items: list[tuple[int, str]]) -> int:
+def collect_garbage(rt: Runtime, run: str | None = None, now: datetime | None = None) -> int:
+    """Delete the blobs on the garbage table that are due, of ``run`` or of every run.
+    Returns how many went.
+
+    Each row is claimed (deleted) first, in a transaction that also checks that no
+    checkpoint names the blob, and only then is the blob deleted: a re-root's commit, which
+    takes its new blobs off the table, fails if the collector claimed one of them.
+    """
     gone = 0
-    for gid, key in items:
-        if rt.catalog.blob_in_use(key):  # never delete what a checkpoint names
+    for gid, name, key in rt.catalog.garbage(run, now or datetime.now(UTC)):
+        claim = rt.catalog.claim_garbage(gid, key)
+        if claim == "in_use":
             log.error("blob %r is on the garbage table but a checkpoint names it: kept", key)
-        else:
-            try:
+        if claim != "claimed":
+            continue
+        try:
+            if not rt.store.exists(key):  # a write a crash cut short, if anything
                 rt.store.abort_incomplete([key])
-                rt.store.delete(key)
-            except (StorageUnavailable, OSError) as exc:
-                log.warning("cannot collect blob %r yet: %s", key, exc)
-                continue
-            gone += 1
-        rt.catalog.drop_garbage(gid)
+            rt.store.delete(key)
+        except (StorageUnavailable, OSError) as exc:
+            log.warning("cannot collect blob %r yet: %s", key, exc)
+            retry = datetime.now(UTC) + timedelta(seconds=60)
+            try:
+                rt.catalog.add_garbage(name, [key], retry)
+            except Exception:
+                log.exception("blob %r is orphaned: it could not be put back on the table", key)
+            continue
+        gone += 1
     return gone
 
 
 class Maintenance:
-    """One background thread: after each save, re-roots the run if it is due and collects
-    its garbage; every ``period_s`` also the garbage of every run."""
+    """The background work, in one thread: a run's re-root (if due) and the collection of
+    its garbage, once it has gone ``reroot_quiet_s`` without a save (a re-root then does not
+    compete with a burst of saves for the CPU); every ``period_s``, the garbage of every
+    run. A run whose re-root failed is not re-rooted again for ``retry_s``."""
 
-    def __init__(self, rt: Runtime, period_s: float = 60.0) -> None:
+    def __init__(self, rt: Runtime, period_s: float = 60.0, retry_s: float = 600.0) -> None:
         self._rt = rt
         self._period_s = period_s
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._queued: set[str] = set()
-        self._busy = 0
-        self._lock = threading.Lock()
+        self._retry_s = retry_s
+        self._quiet_s = rt.settings.reroot_quiet_s
+        self._due: dict[str, float] = {}  # run -> when its pass may start (monotonic)
+        self._running = 0
+        self._failed: dict[str, float] = {}  # run -> when a re-root may be tried again
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._pool = reroot_pool(rt.workers)
         self._thread = threading.Thread(target=self._loop, name="ckptstore-maintenance")
         self._thread.start()
 
     def after_save(self, run: str) -> None:
-        with self._lock:
-            if run in self._queued:
-                return
-            self._queued.add(run)
-            self._busy += 1
-        self._queue.put(run)
+        with self._cond:
+            self._due[run] = time.monotonic() + self._quiet_s
+            self._cond.notify()
 
     @property
     def pending(self) -> int:
-        """Runs queued or being worked on."""
-        with self._lock:
-            return self._busy
+        """Runs with a pass queued or running."""
+        with self._cond:
+            return len(self._due) + self._running
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Stop: a re-root in progress is abandoned (what it wrote is deleted)."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify()
         self._thread.join()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _next(self, sweep_at: float) -> str | None:
+        """The next run to maintain, or None for a sweep of every run (or to stop)."""
+        with self._cond:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now >= sweep_at:
+                    return None
+                ready = [r for r, t in self._due.items() if t <= now]
+                if ready:
+                    run = min(ready, key=self._due.__getitem__)
+                    del self._due[run]
+                    self._running += 1
+                    return run
+                self._cond.wait(min([sweep_at, *self._due.values()]) - now)
+            return None
 
     def _loop(self) -> None:
-        self._guarded(collect_garbage, self._rt)  # what earlier processes left due
-        while True:
-            try:
-                run = self._queue.get(timeout=self._period_s)
-            except queue.Empty:
-                self._guarded(collect_garbage, self._rt)
-                continue
+        sweep_at = time.monotonic()  # first: what earlier processes left due
+        while not self._stop.is_set():
+            run = self._next(sweep_at)
             if run is None:
-                return
-            with self._lock:
-                self._queued.discard(run)
+                if not self._stop.is_set():
+                    self._guarded(collect_garbage, self._rt)
+                    sweep_at = time.monotonic() + self._period_s
+                continue
             try:
                 self._guarded(self._maintain, run)
             finally:
-                with self._lock:
-                    self._busy -= 1
+                with self._cond:
+                    self._running -= 1
 
     def _maintain(self, run: str) -> None:
-        with self._rt.catalog.run_lock(run, blocking=False) as held:
-            if held:
-                try:
-                    reroot(self._rt, run)
-                finally:
-                    collect_garbage(self._rt, run)
+        try:
+            if self._failed.get(run, 0.0) <= time.monotonic():
+                with reroot_lock(self._rt, run) as held:
+                    if held:
+                        reroot(self._rt, run, pool=self._pool, stop=self._stop)
+        except _Stopped:
+            return
+        except Exception:
+            self._failed[run] = time.monotonic() + self._retry_s
+            raise
+        finally:
+            if not self._stop.is_set():
+                collect_garbage(self._rt, run)
 
     @staticmethod
     def _guarded(fn: Any, *args: Any) -> None:
         try:
             fn(*args)
-        except Exception:  # background work: logged, retried at the next save
+        except Exception:  # background work: logged, retried later
             log.exception("background maintenance failed")

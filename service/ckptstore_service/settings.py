@@ -69,6 +69,11 @@ class Settings(BaseSettings):
         description="When a save leaves the newest checkpoint this many deltas deep, the "
         "segment's full checkpoint moves to its middle, in the background (0: never).",
     )
+    reroot_quiet_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="How long a run goes without a save before its re-root starts.",
+    )
     garbage_grace_s: float = Field(
         default=3600,
         ge=0,

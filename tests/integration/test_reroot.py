@@ -8,7 +8,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ REROOT = 4
 STEPS = 12
 ENV = {
     "CKPTSTORE_REROOT_DEPTH": str(REROOT),
+    "CKPTSTORE_REROOT_QUIET_S": "0",
     "CKPTSTORE_KEYFRAME_INTERVAL": "100",
     "CKPTSTORE_MAX_CHAIN_DEPTH": "100",
     # small chunks: each tensor several chunks, so chains branch and refs cross checkpoints
@@ -188,7 +189,7 @@ class FailingStore:
         return getattr(self._store, name)
 
 
-@pytest.mark.parametrize("fail_at", ["blob", "commit"])
+@pytest.mark.parametrize("fail_at", ["blob", "commit", "commit and clean-up"])
 def test_a_failed_reroot_changes_nothing_and_leaves_nothing(
     make_service: Callable[..., Service],
     tmp_path: Path,
@@ -213,6 +214,7 @@ def test_a_failed_reroot_changes_nothing_and_leaves_nothing(
     rt = Runtime.open(settings)
     try:
         before = rt.catalog.list_checkpoints("r")
+        keys = {i.blob_key for i in before}
         if fail_at == "blob":  # the first new blob is written, the second one fails
             rt.store = FailingStore(rt.store, fail_on=2)
         else:
@@ -221,19 +223,29 @@ def test_a_failed_reroot_changes_nothing_and_leaves_nothing(
                 raise StorageUnavailable("injected: the database went away at the commit")
 
             rt.catalog.commit_reroot = no_commit  # type: ignore[method-assign]
-        with rt.catalog.run_lock("r"), pytest.raises(StorageUnavailable, match="injected"):
+        if fail_at == "commit and clean-up":  # as if the process died there
+            real_delete = rt.store.delete
+
+            def no_delete(key: str) -> None:
+                raise StorageUnavailable("injected: cannot delete")
+
+            rt.store.delete = no_delete  # type: ignore[method-assign]
+        with pytest.raises(StorageUnavailable, match="injected"):
             reroot(rt, "r")
         assert rt.catalog.list_checkpoints("r") == before  # the catalog is as it was
-        # every blob written so far was named as garbage before it was written
-        now = datetime.now(UTC)
-        named = {k for _, _, k in rt.catalog.garbage("r", now)}
-        keys = {i.blob_key for i in before}
-        extra = set(blob_files(data)) - keys
-        assert extra and extra <= named
-        with rt.catalog.run_lock("r"):
-            assert collect_garbage(rt, "r") == len(named)
-        assert set(blob_files(data)) == keys
-        assert not rt.catalog.garbage("r", now)
+        named = {k for _, _, k in rt.catalog.garbage("r", datetime.max.replace(tzinfo=UTC))}
+        if fail_at != "commit and clean-up":  # the re-root deleted what it wrote
+            assert not named
+            assert set(blob_files(data)) == keys
+        else:  # what it wrote was named before it was written, and is collected later
+            rt.store.delete = real_delete  # type: ignore[method-assign]
+            extra = set(blob_files(data)) - keys
+            assert extra and extra == named
+            assert collect_garbage(rt, "r") == 0  # not due yet: it might be a live re-root
+            later = datetime.now(UTC) + timedelta(seconds=settings.incomplete_upload_ttl_s + 1)
+            assert collect_garbage(rt, "r", now=later) == len(named)
+            assert set(blob_files(data)) == keys
+            assert not rt.catalog.garbage("r", later)
     finally:
         rt.close()
     svc.start()

@@ -620,14 +620,24 @@ class Catalog:
         with self._session() as s:
             return [(i, r, k) for i, r, k in s.execute(query).all()]
 
-    def drop_garbage(self, garbage_id: int) -> None:
+    def claim_garbage(self, garbage_id: int, key: str) -> str:
+        """Take row ``garbage_id`` (blob ``key``) off the table before deleting the blob:
+        ``claimed``; ``gone`` if another collector or a commit took it first; ``in_use``
+        (the row is dropped, the blob must stay) if a checkpoint names the blob."""
         with self._session() as s:
-            s.execute(delete(Garbage).where(Garbage.id == garbage_id))
+            dropped = s.execute(
+                delete(Garbage).where(Garbage.id == garbage_id).returning(Garbage.id)
+            ).all()
+            if not dropped:
+                return "gone"
+            if s.scalar(select(func.count()).where(Checkpoint.blob_key == key)):
+                return "in_use"
+            return "claimed"
 
-    def blob_in_use(self, key: str) -> bool:
-        """Whether any checkpoint row (committed or being written) names blob ``key``."""
+    def forget_garbage(self, key: str) -> None:
+        """Take blob ``key`` off the table (it was deleted by the one that wrote it)."""
         with self._session() as s:
-            return bool(s.scalar(select(func.count()).where(Checkpoint.blob_key == key)))
+            s.execute(delete(Garbage).where(Garbage.blob_key == key))
 
     def commit_reroot(
         self,
@@ -672,11 +682,13 @@ class Catalog:
                     )
                 )
             if written:
-                s.execute(
-                    delete(Garbage).where(
-                        Garbage.run_id == run_id, Garbage.blob_key.in_(list(written))
-                    )
-                )
+                taken = s.execute(
+                    delete(Garbage)
+                    .where(Garbage.run_id == run_id, Garbage.blob_key.in_(list(written)))
+                    .returning(Garbage.id)
+                ).all()
+                if len(taken) != len(written):  # a collector claimed one: it may be gone
+                    raise CorruptData("a blob of this re-root was collected before its commit")
             if retired:
                 s.execute(
                     insert(Garbage),
