@@ -21,8 +21,10 @@ What keeps it safe:
   ``garbage_grace_s``: a load that read the old rows before the commit still finds its blobs.
 * Every new encoding is decoded back and checked against its chunk's checksum before anything
   is written, and the raw bytes it encodes were themselves checked when decoded.
-* It runs under the run's lock, so no save of the run interleaves; it takes the lock without
-  waiting, and a save that holds it triggers a pass of its own when it ends.
+* One re-root of a run runs at a time (its re-root lock, across replicas). Saves of the run
+  go on meanwhile: a save's delta reads the newest checkpoint's rows, which keep their ids
+  and bytes; the commit takes the run's lock and recomputes the depths of every chunk whose
+  chain goes through a rewritten one, those of checkpoints saved meanwhile included.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from datetime import UTC, datetime, timedelta
 from typing import IO, Any
 
 from ckptstore import codec
-from ckptstore.errors import CorruptData, RunNotFound, StorageUnavailable
+from ckptstore.errors import CorruptData, RunNotFound
 from ckptstore_service.catalog import CheckpointInfo, ChunkInfo
 from ckptstore_service.restore import ChainDecoder, Piece, WindowReader
 from ckptstore_service.runtime import Runtime
@@ -306,8 +308,9 @@ def reroot(
         # Due only after the time a crashed upload is given: the collector must not take a
         # blob this re-root is about to commit (and the commit checks that it did not).
         due = datetime.now(UTC) + timedelta(seconds=rt.settings.incomplete_upload_ttl_s)
-        rt.catalog.add_garbage(run, new_keys.values(), due)
         registered = list(new_keys.values())
+        garbage_ids = rt.catalog.add_garbage(run, registered, due)
+        old_keys = {ck: info_of[ck].blob_key for ck in owners}  # as the blobs were read
         placed: dict[int, dict[str, Any]] = {}  # the owners' rows, in their new blobs
         stored: dict[int, int] = {}
         for ck in owners:
@@ -315,9 +318,9 @@ def reroot(
                 raise _Stopped
             written.append(new_keys[ck])
             stored[ck] = _rewrite_blob(rt, ck, spools, new_keys[ck], placed)
-        with rt.catalog.run_lock(run):
-            _commit(rt, run, spools, placed, stored, new_keys)
-        committed = True
+        with _run_lock(rt, run, stop):
+            _commit(rt, run, spools, placed, stored, new_keys, old_keys, garbage_ids)
+            committed = True  # here: a failure to release the lock must not undo it
     finally:
         spools.close()
         if not committed:
@@ -358,6 +361,20 @@ def _too_deep(rt: Runtime, paths: list[list[ChunkInfo]], target: CheckpointInfo)
     return False
 
 
+@contextlib.contextmanager
+def _run_lock(rt: Runtime, run: str, stop: threading.Event | None) -> Iterator[None]:
+    """The run's lock for the commit, waited for in short tries so that a shutdown does not
+    wait for a long save to end."""
+    while True:
+        with rt.catalog.run_lock(run, blocking=False) as held:
+            if held:
+                yield
+                return
+        if stop is not None and stop.is_set():
+            raise _Stopped
+        time.sleep(0.05)
+
+
 def _commit(
     rt: Runtime,
     run: str,
@@ -365,6 +382,8 @@ def _commit(
     placed: dict[int, dict[str, Any]],
     stored: dict[int, int],
     new_keys: dict[int, str],
+    old_keys: dict[int, str],
+    garbage_ids: list[int],
 ) -> None:
     """Under the run's lock: the depths of every chunk whose chain goes through a rewritten
     one (saves made meanwhile included), then one transaction."""
@@ -378,7 +397,7 @@ def _commit(
         checkpoints.append(
             {
                 "id": ck,
-                "old_blob_key": info_of[ck].blob_key,
+                "old_blob_key": old_keys.get(ck, info_of[ck].blob_key),
                 "blob_key": new_keys.get(ck, info_of[ck].blob_key),
                 "stored_bytes": stored.get(ck, info_of[ck].stored_bytes),
                 "chain_depth": chain_depth,
@@ -394,23 +413,26 @@ def _commit(
         run,
         chunks=list(updates.values()),
         checkpoints=checkpoints,
-        written=list(new_keys.values()),
-        retired=[info_of[ck].blob_key for ck in new_keys],
+        written=garbage_ids,
+        retired=[old_keys[ck] for ck in new_keys],
         not_before=datetime.now(UTC) + timedelta(seconds=rt.settings.garbage_grace_s),
     )
 
 
 def _drop_new_blobs(rt: Runtime, keys: list[str]) -> None:
-    """After a failed re-root: delete the blobs it wrote (their garbage rows go with them;
-    what cannot be deleted now stays on the table for the collector)."""
+    """After a failed re-root: delete the blobs it wrote, and their garbage rows; never one
+    that a checkpoint names (a commit that landed although it reported a failure). What
+    cannot be deleted now stays on the table for the collector."""
     for key in keys:
         try:
-            rt.store.abort_incomplete([key])
+            if rt.catalog.blob_in_use(key):
+                continue
+            if not rt.store.exists(key):
+                rt.store.abort_incomplete([key])
             rt.store.delete(key)
+            rt.catalog.forget_garbage(key)
         except Exception as exc:
             log.warning("cannot delete blob %r of a failed re-root yet: %s", key, exc)
-            continue
-        rt.catalog.forget_garbage(key)
 
 
 def _row(c: ChunkInfo, **changes: Any) -> dict[str, Any]:
@@ -473,30 +495,36 @@ def collect_garbage(rt: Runtime, run: str | None = None, now: datetime | None = 
     """Delete the blobs on the garbage table that are due, of ``run`` or of every run.
     Returns how many went.
 
-    Each row is claimed (deleted) first, in a transaction that also checks that no
-    checkpoint names the blob, and only then is the blob deleted: a re-root's commit, which
-    takes its new blobs off the table, fails if the collector claimed one of them.
+    A run's rows are collected only while its re-root lock is free (a re-root holds it from
+    before it names its new blobs until after its commit took them off the table), and a
+    blob that a checkpoint names is never deleted. The blob goes first, then its row: a
+    crash in between leaves a row, whose next collection finds the blob gone.
     """
-    gone = 0
+    by_run: dict[str, list[tuple[int, str]]] = {}
     for gid, name, key in rt.catalog.garbage(run, now or datetime.now(UTC)):
-        claim = rt.catalog.claim_garbage(gid, key)
-        if claim == "in_use":
-            log.error("blob %r is on the garbage table but a checkpoint names it: kept", key)
-        if claim != "claimed":
-            continue
+        by_run.setdefault(name, []).append((gid, key))
+    gone = 0
+    for name, items in by_run.items():
+        with reroot_lock(rt, name) as held:
+            if held:
+                gone += _collect(rt, items)
+    return gone
+
+
+def _collect(rt: Runtime, items: list[tuple[int, str]]) -> int:
+    gone = 0
+    for gid, key in items:
         try:
-            if not rt.store.exists(key):  # a write a crash cut short, if anything
-                rt.store.abort_incomplete([key])
-            rt.store.delete(key)
-        except (StorageUnavailable, OSError) as exc:
+            if rt.catalog.blob_in_use(key):
+                log.error("blob %r is on the garbage table but a checkpoint names it: kept", key)
+            else:
+                if not rt.store.exists(key):  # a write a crash cut short, if anything
+                    rt.store.abort_incomplete([key])
+                rt.store.delete(key)
+                gone += 1
+            rt.catalog.drop_garbage(gid)
+        except Exception as exc:
             log.warning("cannot collect blob %r yet: %s", key, exc)
-            retry = datetime.now(UTC) + timedelta(seconds=60)
-            try:
-                rt.catalog.add_garbage(name, [key], retry)
-            except Exception:
-                log.exception("blob %r is orphaned: it could not be put back on the table", key)
-            continue
-        gone += 1
     return gone
 
 
@@ -574,8 +602,12 @@ class Maintenance:
         try:
             if self._failed.get(run, 0.0) <= time.monotonic():
                 with reroot_lock(self._rt, run) as held:
-                    if held:
-                        reroot(self._rt, run, pool=self._pool, stop=self._stop)
+                    # again while it moved the root: saves made during a re-root can leave
+                    # the newest checkpoint still too deep (each pass halves its depth)
+                    passes = 0
+                    while held and passes < 8 and not self._stop.is_set():
+                        passes += 1
+                        held = reroot(self._rt, run, pool=self._pool, stop=self._stop)
         except _Stopped:
             return
         except Exception:
@@ -583,7 +615,7 @@ class Maintenance:
             raise
         finally:
             if not self._stop.is_set():
-                collect_garbage(self._rt, run)
+                self._guarded(collect_garbage, self._rt, run)
 
     @staticmethod
     def _guarded(fn: Any, *args: Any) -> None:

@@ -19,7 +19,7 @@ from test_chains import assert_identical, training_states
 
 from ckptstore import CheckpointClient
 from ckptstore.errors import StorageUnavailable
-from ckptstore_service.reroot import collect_garbage, reroot
+from ckptstore_service.reroot import collect_garbage, reroot, reroot_lock
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
 from serviceproc import Service
@@ -243,6 +243,9 @@ def test_a_failed_reroot_changes_nothing_and_leaves_nothing(
             assert extra and extra == named
             assert collect_garbage(rt, "r") == 0  # not due yet: it might be a live re-root
             later = datetime.now(UTC) + timedelta(seconds=settings.incomplete_upload_ttl_s + 1)
+            with reroot_lock(rt, "r") as held:  # nor while a re-root of the run runs
+                assert held
+                assert collect_garbage(rt, "r", now=later) == 0
             assert collect_garbage(rt, "r", now=later) == len(named)
             assert set(blob_files(data)) == keys
             assert not rt.catalog.garbage("r", later)

@@ -599,13 +599,18 @@ class Catalog:
 
     # -- re-rooting and garbage -------------------------------------------------------------
 
-    def add_garbage(self, run: str, keys: Iterable[str], not_before: datetime) -> None:
-        """Name blobs to delete once ``not_before`` has passed."""
+    def add_garbage(self, run: str, keys: Iterable[str], not_before: datetime) -> list[int]:
+        """Name blobs to delete once ``not_before`` has passed; returns the rows' ids."""
         run_id = self.ensure_run(run)
         rows = [{"run_id": run_id, "blob_key": k, "not_before": not_before} for k in keys]
-        if rows:
-            with self._session() as s:
-                s.execute(insert(Garbage), rows)
+        if not rows:
+            return []
+        with self._session() as s:
+            return list(
+                s.scalars(
+                    insert(Garbage).returning(Garbage.id, sort_by_parameter_order=True), rows
+                ).all()
+            )
 
     def garbage(self, run: str | None, now: datetime) -> list[tuple[int, str, str]]:
         """``(id, run, blob_key)`` of the blobs due for deletion (of one run, or of all)."""
@@ -620,19 +625,14 @@ class Catalog:
         with self._session() as s:
             return [(i, r, k) for i, r, k in s.execute(query).all()]
 
-    def claim_garbage(self, garbage_id: int, key: str) -> str:
-        """Take row ``garbage_id`` (blob ``key``) off the table before deleting the blob:
-        ``claimed``; ``gone`` if another collector or a commit took it first; ``in_use``
-        (the row is dropped, the blob must stay) if a checkpoint names the blob."""
+    def drop_garbage(self, garbage_id: int) -> None:
         with self._session() as s:
-            dropped = s.execute(
-                delete(Garbage).where(Garbage.id == garbage_id).returning(Garbage.id)
-            ).all()
-            if not dropped:
-                return "gone"
-            if s.scalar(select(func.count()).where(Checkpoint.blob_key == key)):
-                return "in_use"
-            return "claimed"
+            s.execute(delete(Garbage).where(Garbage.id == garbage_id))
+
+    def blob_in_use(self, key: str) -> bool:
+        """Whether any checkpoint row (committed or being written) names blob ``key``."""
+        with self._session() as s:
+            return bool(s.scalar(select(func.count()).where(Checkpoint.blob_key == key)))
 
     def forget_garbage(self, key: str) -> None:
         """Take blob ``key`` off the table (it was deleted by the one that wrote it)."""
@@ -645,14 +645,15 @@ class Catalog:
         *,
         chunks: Sequence[Mapping[str, Any]],
         checkpoints: Sequence[Mapping[str, Any]],
-        written: Sequence[str],
+        written: Sequence[int],
         retired: Sequence[str],
         not_before: datetime,
     ) -> None:
         """Make a re-root visible, in one transaction: the chunk rows' new ``codec``,
         ``base_id``, ``depth``, ``blob_offset`` and ``stored_len`` (keys ``id`` and those),
         the checkpoints' new ``blob_key``, ``stored_bytes``, ``chain_depth`` and ``keyframe``
-        (keys ``id``, ``old_blob_key`` and those), the ``written`` blobs no longer garbage,
+        (keys ``id``, ``old_blob_key`` and those), the ``written`` blobs' garbage rows (ids)
+        dropped,
         the ``retired`` ones garbage from ``not_before``. Raises CorruptData, changing
         nothing, if a checkpoint's blob is not ``old_blob_key`` any more."""
         run_id = self.ensure_run(run)
@@ -683,11 +684,9 @@ class Catalog:
                 )
             if written:
                 taken = s.execute(
-                    delete(Garbage)
-                    .where(Garbage.run_id == run_id, Garbage.blob_key.in_(list(written)))
-                    .returning(Garbage.id)
+                    delete(Garbage).where(Garbage.id.in_(list(written))).returning(Garbage.id)
                 ).all()
-                if len(taken) != len(written):  # a collector claimed one: it may be gone
+                if len(taken) != len(written):  # a collector took one: it may be gone
                     raise CorruptData("a blob of this re-root was collected before its commit")
             if retired:
                 s.execute(
