@@ -16,9 +16,11 @@ import httpx
 import pytest
 import torch
 from test_chains import assert_identical, training_states
+from test_production import backends, s3_store  # noqa: F401 - a fixture, and its store
 
 from ckptstore import CheckpointClient
 from ckptstore.errors import StorageUnavailable
+from ckptstore_service.catalog import Catalog
 from ckptstore_service.reroot import collect_garbage, reroot, reroot_lock
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
@@ -309,3 +311,39 @@ def test_a_load_in_progress_survives_the_reroot_of_its_chain(
     again = httpx.get(f"{svc.url}/v1/runs/g/checkpoints/1", timeout=60).content
     assert data == again  # the same bytes, the old shape and the new one
     assert_identical(client.load("g", 1), states[1])
+
+
+@pytest.mark.postgres
+@pytest.mark.s3
+def test_two_replicas_on_postgres_and_s3_reroot_one_run(
+    make_service: Callable[..., Service],
+    backends: dict[str, str],  # noqa: F811 - the fixture imported above
+    states: list[dict[str, Any]],
+) -> None:
+    """Saves alternate between two replicas, so both maintenance threads go for the same
+    run: one re-root at a time (the re-root lock lives in PostgreSQL), blobs rewritten on
+    S3 from S3, and afterwards the bucket holds exactly the checkpoints' blobs."""
+    env = {
+        **backends,
+        **ENV,
+        "CKPTSTORE_KEYFRAME_INTERVAL": "100",
+        "CKPTSTORE_GARBAGE_GRACE_S": "0",
+    }
+    replicas = [make_service(env), make_service(env)]
+    clients = [CheckpointClient(r.url) for r in replicas]
+    for step, state in enumerate(states):
+        clients[step % 2].save("both", step, state)
+    for svc in replicas:
+        wait_idle(svc)
+    infos = clients[0].list("both")
+    assert infos[-1].chain_depth < REROOT
+    for client in clients:
+        check_all(client, states, "both")
+    catalog = Catalog(backends["CKPTSTORE_DATABASE_URL"])
+    try:
+        keys = {i.blob_key for i in catalog.list_checkpoints("both")}
+    finally:
+        catalog.close()
+    store = s3_store(backends)
+    assert set(store.iter_keys("runs/both/")) == keys
+    assert store.list_open_uploads() == []
