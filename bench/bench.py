@@ -14,11 +14,13 @@ ckptstore
     cross-checked against the blob folder on disk. ``load latest``: the newest checkpoint, warm
     (the service serves it from its base cache). ``load deep``: the checkpoint with the deepest
     chain after a service restart (the base cache is wiped at start-up, so every chunk is decoded
-    from storage along its chain); the same for the first checkpoint (the keyframe) and the
-    one halfway (what each link of a chain costs). The last saves set off a re-root in the
-    background (the newest checkpoint is 8 deep: the chain's full checkpoint moves to its
-    middle, once the run has gone 1 s without a save); the bench waits for it, reports its
-    time apart, and measures the loads and the stored bytes after it. Peak service memory:
+    from storage along its chain); the same for the first checkpoint and the one halfway
+    (what each link of a chain costs; each prints its depth). The last saves set off a
+    re-root in the background (the newest checkpoint is 8 deep, 9 with the bf16 copies'
+    link: the chain's full checkpoint moves to its middle, once the run has gone 1 s
+    without a save, so the first checkpoint ends 4-5 deep and the halfway one is the root);
+    the bench waits for it, reports its time apart, and measures the loads and the stored
+    bytes after it. Peak service memory:
     VmHWM minus VmRSS before the first save (peak reset just before); likewise for the cold
     load.
 torch.save+zstd3
@@ -412,7 +414,7 @@ def bench_zipnn(ckpts: Checkpoints, repeats: int) -> dict[str, Any]:
 
 
 def wait_idle(url: str, timeout: float = 600.0) -> None:
-    """Until the service reports no background work (re-roots, garbage collection)."""
+    """Until the service reports no re-root pass queued or running."""
     deadline = time.monotonic() + timeout
     while httpx.get(f"{url}/healthz", timeout=30).json()["maintenance"]:
         if time.monotonic() > deadline:

@@ -6,8 +6,8 @@ it has), so the newest checkpoint of a segment is the deepest one. Once a save l
 ``reroot_depth`` deltas deep, the service moves the segment's self-contained root to the
 segment's middle checkpoint M, in the background: each chunk of M is stored whole, and the
 chunks on its chain back to the old root become deltas the other way round, each of its
-successor. Every delta still spans one checkpoint, so the bytes barely change (+0.4% on the
-fine-tune bench, see ``bench/chains.py``), and both ends of the segment are half as deep.
+successor. Every delta still spans one checkpoint, so the bytes barely change (+0.3% on the
+fine-tune bench), and both ends of the segment are half as deep.
 
 What keeps it safe:
 
@@ -70,8 +70,10 @@ def reroot_target(rt: Runtime, run: str) -> tuple[CheckpointInfo, list[Checkpoin
     the newest one: the newest becomes half as deep, and the checkpoints before the old root
     deeper. Once in a segment (the bench: 9 checkpoints, the root moves from the first to the
     fifth) both ends end up half as deep; a segment much longer than ``reroot_depth`` is
-    re-rooted again every ``reroot_depth / 2`` saves, and its oldest checkpoints, the ones
-    least often loaded, get deeper, up to ``max_chain_depth`` as without re-rooting."""
+    re-rooted again every ``reroot_depth / 2`` saves or so, and its oldest checkpoints, the
+    ones least often loaded, get deeper, up to ``max_chain_depth``: a re-root that would
+    take a chunk past it is skipped (:func:`_too_deep`), and the newest checkpoint then
+    deepens until ``max_chain_depth`` cuts its chains, as without re-rooting."""
     depth = rt.settings.reroot_depth
     if not depth:
         return None
@@ -90,8 +92,7 @@ def reroot_target(rt: Runtime, run: str) -> tuple[CheckpointInfo, list[Checkpoin
     ):
         segment.append(by_step[segment[-1].parent_step])
     root = min(range(len(segment)), key=lambda i: (segment[i].chain_depth, i))
-    # no further from the oldest checkpoint than max_chain_depth: it will be that deep
-    target = max((root + 1) // 2, len(segment) - 1 - rt.settings.max_chain_depth)
+    target = (root + 1) // 2  # how deep that makes the older chunks: see _too_deep
     return (segment[target], infos) if 0 < target < root else None
 
 
@@ -394,6 +395,12 @@ def _commit(
     for ck in sorted(set(new_keys) | {c.checkpoint_id for c in below}):
         rows = rt.catalog.chunks(ck)
         chain_depth = max((depth.get(c.id, c.depth) for c in rows), default=0)
+        # a keyframe holds no deltas: its chunks are whole (or copies of whole masters)
+        whole = all(
+            depth.get(c.id, c.depth)
+            <= (codec.split_cast(updates.get(c.id, {}).get("codec", c.codec)) is not None)
+            for c in rows
+        )
         checkpoints.append(
             {
                 "id": ck,
@@ -401,7 +408,7 @@ def _commit(
                 "blob_key": new_keys.get(ck, info_of[ck].blob_key),
                 "stored_bytes": stored.get(ck, info_of[ck].stored_bytes),
                 "chain_depth": chain_depth,
-                "keyframe": chain_depth == 0,
+                "keyframe": whole,
             }
         )
         for c in rows:

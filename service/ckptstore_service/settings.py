@@ -46,7 +46,8 @@ class Settings(BaseSettings):
         default=24 * 3600,
         ge=60,
         description="At start-up, partial writes (temp files, S3 multipart uploads) older "
-        "than this are removed even if no catalog row names them.",
+        "than this are removed even if no catalog row names them; the blobs of a re-root "
+        "that crashed are collected this long after it named them.",
     )
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
@@ -66,8 +67,9 @@ class Settings(BaseSettings):
     reroot_depth: int = Field(
         default=8,
         ge=0,
-        description="When a save leaves the newest checkpoint this many deltas deep, the "
-        "segment's full checkpoint moves to its middle, in the background (0: never).",
+        description="When a save leaves the newest checkpoint this deep (its chain_depth, "
+        "a bf16 copy's link included), the chain's full checkpoint moves halfway towards "
+        "it, in the background (0: never).",
     )
     reroot_quiet_s: float = Field(
         default=1.0,
