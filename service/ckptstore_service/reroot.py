@@ -77,6 +77,10 @@ def reroot_target(rt: Runtime, run: str) -> tuple[CheckpointInfo, list[Checkpoin
     depth = rt.settings.reroot_depth
     if not depth:
         return None
+    # the newest alone first: this runs after every save, and a run may hold thousands
+    latest = rt.catalog.find(run, None)
+    if latest is None or latest.chain_depth < depth:
+        return None
     try:
         infos = rt.catalog.list_checkpoints(run)
     except RunNotFound:
@@ -293,7 +297,6 @@ def reroot(
     if not paths or _too_deep(rt, paths, target):
         return False
     spools = _Spools(rt.cache.folder / "tmp")
-    written: list[str] = []
     registered: list[str] = []  # on the garbage table, written or not
     committed = False
     try:
@@ -317,7 +320,6 @@ def reroot(
         for ck in owners:
             if stop is not None and stop.is_set():
                 raise _Stopped
-            written.append(new_keys[ck])
             stored[ck] = _rewrite_blob(rt, ck, spools, new_keys[ck], placed)
         with _run_lock(rt, run, stop):
             _commit(rt, run, spools, placed, stored, new_keys, old_keys, garbage_ids)
@@ -331,7 +333,7 @@ def reroot(
         run,
         target.step,
         len(paths),
-        len(written),
+        len(registered),
         time.perf_counter() - t0,
     )
     return True
@@ -434,12 +436,18 @@ def _drop_new_blobs(rt: Runtime, keys: list[str]) -> None:
         try:
             if rt.catalog.blob_in_use(key):
                 continue
-            if not rt.store.exists(key):
-                rt.store.abort_incomplete([key])
-            rt.store.delete(key)
+            _delete_blob(rt, key)
             rt.catalog.forget_garbage(key)
         except Exception as exc:
             log.warning("cannot delete blob %r of a failed re-root yet: %s", key, exc)
+
+
+def _delete_blob(rt: Runtime, key: str) -> None:
+    """Delete a blob a re-root wrote or replaced; if it is not there, abort the write a
+    crash may have cut short under its key."""
+    if not rt.store.exists(key):
+        rt.store.abort_incomplete([key])
+    rt.store.delete(key)
 
 
 def _row(c: ChunkInfo, **changes: Any) -> dict[str, Any]:
@@ -525,9 +533,7 @@ def _collect(rt: Runtime, items: list[tuple[int, str]]) -> int:
             if rt.catalog.blob_in_use(key):
                 log.error("blob %r is on the garbage table but a checkpoint names it: kept", key)
             else:
-                if not rt.store.exists(key):  # a write a crash cut short, if anything
-                    rt.store.abort_incomplete([key])
-                rt.store.delete(key)
+                _delete_blob(rt, key)
                 gone += 1
             rt.catalog.drop_garbage(gid)
         except Exception as exc:

@@ -25,8 +25,9 @@ router = APIRouter()
 
 @router.get("/healthz")
 async def healthz(rt: RuntimeDep, maintenance: MaintenanceDep) -> dict[str, str | int]:
-    """Up, with the database reachable; ``maintenance``: runs with background work queued
-    or in progress (re-rooting, garbage collection)."""
+    """Up, with the database reachable; ``maintenance``: runs whose re-root pass (which
+    also collects their replaced blobs) waits out its quiet time or runs; the periodic sweep
+    of every run's garbage is not counted."""
     await run_in_threadpool(rt.catalog.ping)
     return {"status": "ok", "maintenance": maintenance.pending}
 

@@ -652,10 +652,10 @@ class Catalog:
         """Make a re-root visible, in one transaction: the chunk rows' new ``codec``,
         ``base_id``, ``depth``, ``blob_offset`` and ``stored_len`` (keys ``id`` and those),
         the checkpoints' new ``blob_key``, ``stored_bytes``, ``chain_depth`` and ``keyframe``
-        (keys ``id``, ``old_blob_key`` and those), the ``written`` blobs' garbage rows (ids)
-        dropped,
-        the ``retired`` ones garbage from ``not_before``. Raises CorruptData, changing
-        nothing, if a checkpoint's blob is not ``old_blob_key`` any more."""
+        (keys ``id``, ``old_blob_key`` and those), the garbage rows of the ``written`` blobs
+        (ids) dropped, the ``retired`` blobs garbage from ``not_before``. Raises
+        CorruptData, changing nothing, if a checkpoint's blob is not ``old_blob_key`` any
+        more."""
         run_id = self.ensure_run(run)
         table = Base.metadata.tables[Chunk.__tablename__]
         fields = ("codec", "base_id", "depth", "blob_offset", "stored_len")
