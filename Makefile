@@ -19,12 +19,12 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/ckptstore serve --host $(HOST) --port $(PORT) --data-dir $(DATA)
+	$(VENV)/bin/ckptstore-service serve --host $(HOST) --port $(PORT) --data-dir $(DATA)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check client service tests bench
-	$(VENV)/bin/ruff format --check client service tests bench
-	$(VENV)/bin/mypy client/ckptstore service/ckptstore_service
+	$(VENV)/bin/ruff check core client service tests bench
+	$(VENV)/bin/ruff format --check core client service tests bench
+	$(VENV)/bin/mypy core/ckptstore_core client/ckptstore service/ckptstore_service
 
 test: lint
 	$(PY) -m pytest

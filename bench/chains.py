@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models
-from ckptstore import codec, planes
+from ckptstore_core import codec, planes
 from ckptstore.state import flatten
 
 CHUNK = 4 << 20

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models
-from ckptstore.codec import chunk_step, encode_chunk
+from ckptstore_core.codec import chunk_step, encode_chunk
 from ckptstore.state import flatten
 
 CHUNK = 4 << 20

@@ -17,8 +17,8 @@ from collections.abc import Callable
 import blosc2
 import numpy as np
 
-from ckptstore import planes as kernels
-from ckptstore.codec import decode_chunk, encode_chunk
+from ckptstore_core import planes as kernels
+from ckptstore_core.codec import decode_chunk, encode_chunk
 
 MiB = 1 << 20
 N = 1 << 20  # fp32 elements per chunk (4 MiB)

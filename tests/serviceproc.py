@@ -40,7 +40,7 @@ class Service:
                 [
                     sys.executable,
                     "-m",
-                    "ckptstore.cli",
+                    "ckptstore_service.cli",
                     "serve",
                     "--port",
                     str(self.port),

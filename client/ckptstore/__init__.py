@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ckptstore.errors import (
+from ckptstore_core.errors import (
     CheckpointExists,
     CheckpointNotFound,
     CkptStoreError,

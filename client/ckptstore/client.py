@@ -22,8 +22,6 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from datetime import datetime
 from types import TracebackType
 from typing import Any, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
@@ -31,7 +29,7 @@ from urllib.parse import quote, urlencode, urlsplit
 import numpy as np
 import xxhash
 
-from ckptstore.errors import (
+from ckptstore_core.errors import (
     CkptStoreError,
     CorruptData,
     InvalidStream,
@@ -39,7 +37,8 @@ from ckptstore.errors import (
     StorageUnavailable,
     error_from_code,
 )
-from ckptstore.wire import FORMAT, Header, StreamParser, encode_header
+from ckptstore_core.records import CheckpointInfo, RunInfo
+from ckptstore_core.wire import FORMAT, Header, StreamParser, encode_header
 
 __all__ = ["CheckpointClient", "CheckpointInfo", "RunInfo"]
 
@@ -47,42 +46,6 @@ _PIECE = 8 << 20  # bytes per socket write/read while streaming
 _CHECKSUMS_KEY = "ckptstore.xxh3_128"
 _TRANSIENT = (OSError, http.client.HTTPException)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    run: str
-    step: int
-    parent_step: int | None
-    keyframe: bool
-    chain_depth: int
-    raw_bytes: int
-    stored_bytes: int
-    tensors: int
-    created: datetime
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> CheckpointInfo:
-        return cls(**_parsed(obj))
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    name: str
-    checkpoints: int
-    latest_step: int
-    raw_bytes: int
-    stored_bytes: int
-    created: datetime
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> RunInfo:
-        return cls(**_parsed(obj))
-
-
-def _parsed(obj: dict[str, Any]) -> dict[str, Any]:
-    """The service's JSON with its ``created`` timestamp as a datetime."""
-    return {**obj, "created": datetime.fromisoformat(obj["created"])}
 
 
 class _Progress:
@@ -148,7 +111,7 @@ class CheckpointClient:
     """Client of a ckptstore service at ``url`` (e.g. ``http://127.0.0.1:8000``).
 
     ``retries`` bounds the attempts after the first on connection errors and 503s (then
-    :class:`~ckptstore.errors.ServiceUnavailable` or the service's 503 error is raised);
+    :class:`~ckptstore_core.errors.ServiceUnavailable` or the service's 503 error is raised);
     ``timeout`` applies to each socket operation, not to a whole transfer. ``progress=True``
     shows a tqdm bar on saves and loads. Safe to share between threads.
     """

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ckptstore.errors import CkptStoreError, InternalError, InvalidRequest, NotFound
+from ckptstore_core.errors import CkptStoreError, InternalError, InvalidRequest, NotFound
 from ckptstore_service.api.routes import router
 from ckptstore_service.reroot import Maintenance
 from ckptstore_service.runtime import Runtime

@@ -121,6 +121,9 @@ class BaseCache:
         except BaseException:
             os.close(self._owner)
             raise
+        #: a folder on the cache's disk for others' unnamed temp files (a re-root's spools)
+        self.scratch = self.folder / "scratch"
+        self.scratch.mkdir(exist_ok=True)
         self._entries: OrderedDict[str, CachedBase] = OrderedDict()
         self._spares: OrderedDict[str, CachedBase] = OrderedDict()
         self._lock = threading.Lock()
@@ -134,7 +137,7 @@ class BaseCache:
         leftovers = [p for folder in (self.folder, tmp) for p in folder.iterdir()]
         orphans = []
         for path in leftovers:
-            if path.name == ".lock" or path == tmp:
+            if path.name in (".lock", "scratch") or path == tmp:
                 continue
             if path.is_file() and not path.is_symlink():
                 spare = tmp / uuid.uuid4().hex

@@ -19,7 +19,6 @@ import os
 import queue
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
@@ -30,11 +29,12 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ckptstore import codec
-from ckptstore.errors import CheckpointExists, InternalError, InvalidStream
-from ckptstore.wire import FORMAT, Header, StreamParser, TensorPiece
+from ckptstore_core import codec
+from ckptstore_core.errors import CheckpointExists, InternalError, InvalidStream
+from ckptstore_core.wire import FORMAT, Header, StreamParser, TensorPiece
 from ckptstore_service.cache import open_reader
-from ckptstore_service.catalog import CheckpointInfo, NewChunk, TensorInfo
+from ckptstore_service.catalog import CheckpointRecord, NewChunk, TensorInfo
+from ckptstore_service.names import blob_key
 from ckptstore_service.restore import materialize
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.storage import BlobStore, Buffer
@@ -128,7 +128,7 @@ class _BaseChunk:
 
 
 def _base_index(
-    rt: Runtime, parent: CheckpointInfo, tensors: dict[int, TensorInfo]
+    rt: Runtime, parent: CheckpointRecord, tensors: dict[int, TensorInfo]
 ) -> dict[tuple[str, str, tuple[int, ...], int, int], _BaseChunk]:
     """Where each chunk of the parent (``tensors``: its tensors by index) lives: keyed by
     (name, dtype, shape, offset, length)."""
@@ -241,7 +241,7 @@ class _Pending:
     future: Future[codec.EncodedChunk]
 
 
-def _rebuild_base(rt: Runtime, run: str, parent: CheckpointInfo) -> int:
+def _rebuild_base(rt: Runtime, run: str, parent: CheckpointRecord) -> int:
     """Decode the parent from storage into a cache file (a base-cache miss); returns its fd.
 
     The file is installed in the cache only if the parent is still the run's latest; the fd
@@ -375,7 +375,7 @@ def _cast_sources(header: Header) -> dict[int, int]:
 
 def ingest(
     rt: Runtime, run: str, step: int, body: Iterable[bytes], content_length: int | None
-) -> tuple[CheckpointInfo, bool]:
+) -> tuple[CheckpointRecord, bool]:
     """Store one checkpoint from a safetensors stream; returns (info, created).
 
     ``created`` is False when the same step already holds identical content (an idempotent
@@ -411,12 +411,12 @@ def _tensor_stream(
 
 def _verify_existing(
     rt: Runtime,
-    existing: CheckpointInfo,
+    existing: CheckpointRecord,
     parser: StreamParser,
     header: Header,
     first: list[TensorPiece],
     it: Iterator[bytes],
-) -> CheckpointInfo:
+) -> CheckpointRecord:
     # by name: the order of the tensors in the stream is free (clients have changed it)
     stored = {t.name: (t.dtype, t.shape, t.checksum) for t in rt.catalog.tensors(existing.id)}
     hashers = [xxhash.xxh3_128() for _ in header.tensors]
@@ -440,7 +440,7 @@ def _store(
     header: Header,
     first: list[TensorPiece],
     it: Iterator[bytes],
-) -> CheckpointInfo:
+) -> CheckpointRecord:
     s = rt.settings
     t_start = time.perf_counter()
     parent = rt.catalog.parent_of(run, step)
@@ -458,8 +458,8 @@ def _store(
             cache_tmp = rt.cache.take(run, parent.id, base_fd)
     try:
         run_id = rt.catalog.ensure_run(run)
-        blob_key = f"runs/{run}/{step}-{uuid.uuid4().hex}.blob"
-        checkpoint_id = rt.catalog.begin_upload(run_id, step, blob_key)
+        key = blob_key(run, step)
+        checkpoint_id = rt.catalog.begin_upload(run_id, step, key)
     except BaseException:
         if base_fd is not None:
             os.close(base_fd)
@@ -469,7 +469,7 @@ def _store(
     if cache_tmp is None:
         cache_tmp = rt.cache.new_file(run)
     cache_fd = os.open(cache_tmp, os.O_RDWR | os.O_CREAT, 0o600)
-    writer = _BlobWriter(rt.store, blob_key)
+    writer = _BlobWriter(rt.store, key)
     committed = False
     pending: deque[_Pending] = deque()
     try:
@@ -486,8 +486,8 @@ def _store(
         # on parsing (a state's many small tensors come last, see upload_order in
         # ckptstore.state) while the pool finishes. Each counts at least _SMALL_COST bytes
         # (its future and bookkeeping weigh ~1 KB): at most in_flight x chunk_bytes of them.
-        max_held = rt.in_flight
-        max_small = rt.in_flight * s.chunk_bytes
+        max_held = rt.budget.in_flight
+        max_small = rt.budget.bytes_in_flight
         held = small = 0
 
         def drain(final: bool) -> None:
@@ -666,7 +666,7 @@ def _store(
                 # steps after a failed one still run, but for the row of a blob that may
                 # still be there.
                 _cleanup(writer.abort)
-                if _blob_gone(rt.store, blob_key):
+                if _blob_gone(rt.store, key):
                     _cleanup(rt.catalog.abort_upload, checkpoint_id)
                 _cleanup(rt.cache.discard, cache_tmp)
         finally:

@@ -35,7 +35,6 @@ import os
 import tempfile
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -43,10 +42,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import IO, Any
 
-from ckptstore import codec
-from ckptstore.errors import CorruptData, RunNotFound
-from ckptstore_service.catalog import CheckpointInfo, ChunkInfo
-from ckptstore_service.restore import ChainDecoder, Piece, WindowReader
+from ckptstore_core import codec
+from ckptstore_core.errors import CorruptData, RunNotFound
+from ckptstore_service.catalog import CheckpointRecord, ChunkInfo
+from ckptstore_service.chains import ChainDecoder, Piece, WindowReader
+from ckptstore_service.names import blob_key
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.storage import Buffer
 
@@ -62,7 +62,7 @@ __all__ = [
 log = logging.getLogger("ckptstore")
 
 
-def reroot_target(rt: Runtime, run: str) -> tuple[CheckpointInfo, list[CheckpointInfo]] | None:
+def reroot_target(rt: Runtime, run: str) -> tuple[CheckpointRecord, list[CheckpointRecord]] | None:
     """Where to re-root the run's newest segment, and the run's checkpoints; None unless the
     newest checkpoint is ``reroot_depth`` deep.
 
@@ -211,7 +211,7 @@ def _encode_all(
 ) -> None:
     """Re-encode the chains in the re-root's own threads, as many at a time as fit the
     budget of a save's chunks in flight (each holds every raw link of its chain)."""
-    budget = rt.in_flight * rt.settings.chunk_bytes
+    budget = rt.budget.bytes_in_flight
     pending: deque[tuple[int, Future[list[_Rewrite]]]] = deque()
     held = 0
 
@@ -292,11 +292,11 @@ def reroot(
     target, infos = found
     t0 = time.perf_counter()
     tops, closure = rt.catalog.chunk_tree(target.id)
-    decoder = ChainDecoder(rt, closure)
+    decoder = ChainDecoder(rt.store, closure, 2 * rt.budget.bytes_in_flight)
     paths = _paths(decoder, tops)
     if not paths or _too_deep(rt, paths, target):
         return False
-    spools = _Spools(rt.cache.folder / "tmp")
+    spools = _Spools(rt.cache.scratch)
     registered: list[str] = []  # on the garbage table, written or not
     committed = False
     try:
@@ -307,7 +307,7 @@ def reroot(
             _encode_all(rt, decoder, paths, spools, pool, stop)
         info_of = {i.id: i for i in infos}
         owners = sorted(spools.files)
-        new_keys = {ck: f"runs/{run}/{info_of[ck].step}-{uuid.uuid4().hex}.blob" for ck in owners}
+        new_keys = {ck: blob_key(run, info_of[ck].step) for ck in owners}
         # Named before they exist: a crash from here on leaves only blobs the table names.
         # Due only after the time a crashed upload is given: the collector must not take a
         # blob this re-root is about to commit (and the commit checks that it did not).
@@ -343,7 +343,7 @@ class _Stopped(Exception):
     """The service is shutting down: a re-root in progress is abandoned."""
 
 
-def _too_deep(rt: Runtime, paths: list[list[ChunkInfo]], target: CheckpointInfo) -> bool:
+def _too_deep(rt: Runtime, paths: list[list[ChunkInfo]], target: CheckpointRecord) -> bool:
     """Whether reversing ``paths`` could take a chunk deeper than ``max_chain_depth`` (one
     more for a bf16/f16 copy), counting every reversed link as a delta: chains that crossed
     a keyframe through a ref, or re-roots that moved far from a segment's first checkpoint,

@@ -7,23 +7,20 @@ import ctypes
 import gc
 import logging
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ckptstore import planes
-from ckptstore.errors import InvalidRequest, StorageUnavailable
+from ckptstore_core import planes
+from ckptstore_core.errors import StorageUnavailable
+from ckptstore_service.budget import Budget
 from ckptstore_service.cache import BaseCache
 from ckptstore_service.catalog import Catalog
 from ckptstore_service.settings import Settings
 from ckptstore_service.storage import BlobStore, open_blob_store
 
-__all__ = ["Runtime", "check_run_name", "parse_step"]
+__all__ = ["Runtime"]
 
 log = logging.getLogger("ckptstore")
-
-_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-MAX_STEP = (1 << 63) - 1
 
 
 # glibc mallopt parameters
@@ -48,25 +45,6 @@ def keep_freed_memory(mmap_below: int = 64 << 20, trim_above: int = 256 << 20) -
     mapped = bool(mallopt(_M_MMAP_THRESHOLD, mmap_below))
     trimmed = bool(mallopt(_M_TRIM_THRESHOLD, trim_above))
     return mapped and trimmed
-
-
-def check_run_name(run: str) -> str:
-    if not _RUN_NAME.fullmatch(run):
-        raise InvalidRequest(
-            f"invalid run name {run!r}: use 1-128 of A-Z a-z 0-9 . _ - starting with a "
-            "letter or digit"
-        )
-    return run
-
-
-def parse_step(step: str, *, allow_latest: bool = False) -> int | None:
-    """A step path segment: a non-negative integer (or ``latest`` when allowed -> None)."""
-    if allow_latest and step == "latest":
-        return None
-    if not step.isascii() or not step.isdigit() or len(step) > 19 or int(step) > MAX_STEP:
-        what = "a non-negative integer" + (" or 'latest'" if allow_latest else "")
-        raise InvalidRequest(f"invalid step {step!r}: expected {what}")
-    return int(step)
 
 
 @dataclass
@@ -115,10 +93,8 @@ class Runtime:
         return runtime
 
     @property
-    def in_flight(self) -> int:
-        """Chunks a save or a load keeps queued in the codec pool: enough to keep every
-        worker busy, few enough to bound memory."""
-        return 2 * self.workers + 2
+    def budget(self) -> Budget:
+        return Budget(self.workers, self.settings.chunk_bytes)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

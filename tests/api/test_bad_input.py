@@ -21,7 +21,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from ckptstore.wire import encode_header
+from ckptstore_core.wire import encode_header
 from serviceproc import Service, eventually
 
 MiB = 1 << 20

@@ -1,4 +1,4 @@
-"""The ``ckptstore`` command against a real service."""
+"""The ``ckptstore`` and ``ckptstore-service`` commands against a real service."""
 
 from __future__ import annotations
 
@@ -13,13 +13,19 @@ import torch
 from ckptstore import CheckpointClient
 from serviceproc import Service
 
+SERVICE = "ckptstore_service.cli"
+
 
 def cli(
-    *args: str, url: str | None = None, env: dict[str, str] | None = None
+    *args: str,
+    url: str | None = None,
+    env: dict[str, str] | None = None,
+    module: str = "ckptstore.cli",
 ) -> subprocess.CompletedProcess[str]:
+    """``ckptstore`` (or, with ``module="ckptstore_service.cli"``, ``ckptstore-service``)."""
     extra = ["--url", url] if url else []
     return subprocess.run(
-        [sys.executable, "-m", "ckptstore.cli", *args, *extra],
+        [sys.executable, "-m", module, *args, *extra],
         capture_output=True,
         text=True,
         timeout=60,
@@ -59,10 +65,10 @@ def test_a_bad_setting_names_its_variable_in_one_line_each(
         "CKPTSTORE_AUTO_MIGRATE": "maybe",
         "CKPTSTORE_DATA_DIR": str(tmp_path),
     }
-    bad = cli(*command, env=env)
+    bad = cli(*command, env=env, module=SERVICE)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
     lines = bad.stderr.splitlines()
-    assert lines[0] == "ckptstore: invalid configuration"
+    assert lines[0] == "ckptstore-service: invalid configuration"
     assert sorted(line.split("=")[0].strip() for line in lines[1:]) == [
         "CKPTSTORE_AUTO_MIGRATE",
         "CKPTSTORE_CHUNK_BYTES",
@@ -71,8 +77,8 @@ def test_a_bad_setting_names_its_variable_in_one_line_each(
 
 def test_db_upgrade(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'cat.sqlite3'}"
-    assert "none" in cli("db", "current", "--database-url", url).stdout
-    done = cli("db", "upgrade", "--database-url", url)
+    assert "none" in cli("db", "current", "--database-url", url, module=SERVICE).stdout
+    done = cli("db", "upgrade", "--database-url", url, module=SERVICE)
     assert done.returncode == 0, done.stderr
     assert "0002" in done.stdout
 
@@ -84,3 +90,7 @@ def test_progress_bars(service: Service, capsys: pytest.CaptureFixture[str]) -> 
     assert torch.equal(back["w"], torch.zeros(1 << 20))
     err = capsys.readouterr().err
     assert "save bars/1" in err and "load bars/1" in err
+
+
+def test_the_trainers_cli_has_no_service_commands() -> None:
+    assert cli("serve").returncode == 2  # ckptstore-service's, not ckptstore's

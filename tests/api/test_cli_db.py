@@ -14,7 +14,7 @@ def cli(
 ) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("CKPTSTORE_")}
     return subprocess.run(
-        [sys.executable, "-m", "ckptstore.cli", *args],
+        [sys.executable, "-m", "ckptstore_service.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -49,7 +49,7 @@ def test_unreachable_database_is_a_message_not_a_traceback(tmp_path: Path) -> No
     for url in ("postgresql+psycopg://nobody@127.0.0.1:1/none", "nonsense://"):
         done = cli("db", "current", "--database-url", url, cwd=tmp_path)
         assert done.returncode == 1
-        assert done.stderr.startswith("ckptstore: "), done.stderr
+        assert done.stderr.startswith("ckptstore-service: "), done.stderr
         assert "Traceback" not in done.stderr
 
 
@@ -65,15 +65,15 @@ def test_the_message_hides_the_password_and_covers_a_folder_it_cannot_make(
         "postgresql+psycopg://u:s3cret@127.0.0.1:1/x",
         cwd=tmp_path,
     )
-    assert done.returncode == 1 and done.stderr.startswith("ckptstore: "), done.stderr
+    assert done.returncode == 1 and done.stderr.startswith("ckptstore-service: "), done.stderr
     assert "s3cret" not in done.stderr and "***" in done.stderr
     # a driver that is not installed: the catalog refuses the URL before connecting
     url = "postgresql+nodriver://u:s3cret@h/x"
     done = cli("db", "current", "--database-url", url, cwd=tmp_path)
-    assert done.returncode == 1 and done.stderr.startswith("ckptstore: "), done.stderr
+    assert done.returncode == 1 and done.stderr.startswith("ckptstore-service: "), done.stderr
     assert "s3cret" not in done.stderr and "***" in done.stderr
     (tmp_path / "file").write_text("")
     url = f"sqlite:///{tmp_path / 'file' / 'sub' / 'cat.sqlite3'}"
     done = cli("db", "upgrade", "--database-url", url, cwd=tmp_path)
-    assert done.returncode == 1 and done.stderr.startswith("ckptstore: "), done.stderr
+    assert done.returncode == 1 and done.stderr.startswith("ckptstore-service: "), done.stderr
     assert "Traceback" not in done.stderr

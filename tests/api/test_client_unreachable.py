@@ -9,7 +9,7 @@ import torch
 
 import ckptstore
 from ckptstore import CheckpointClient, CkptStoreError, ServiceUnavailable
-from ckptstore.errors import _all_subclasses
+from ckptstore_core.errors import _all_subclasses
 from serviceproc import free_port
 
 
@@ -17,7 +17,7 @@ def test_every_error_of_the_tree_is_exported() -> None:
     # the README: errors are typed, ``from ckptstore import ...``; ServiceUnavailable is what
     # a trainer catches when the service stays down
     # (the service's own subclasses, such as BlobNotFound, are not the client's to export)
-    tree = [c for c in _all_subclasses(CkptStoreError) if c.__module__ == "ckptstore.errors"]
+    tree = [c for c in _all_subclasses(CkptStoreError) if c.__module__ == "ckptstore_core.errors"]
     assert ServiceUnavailable in tree
     for cls in tree:
         assert getattr(ckptstore, cls.__name__) is cls

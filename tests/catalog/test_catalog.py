@@ -12,7 +12,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import event
 from sqlalchemy.engine.interfaces import CacheStats
 
-from ckptstore.errors import CheckpointExists, CheckpointNotFound, RunNotFound
+from ckptstore_core.errors import CheckpointExists, CheckpointNotFound, RunNotFound
 from ckptstore_service.catalog import Catalog, NewChunk, TensorInfo
 from ckptstore_service.catalog.models import Base
 

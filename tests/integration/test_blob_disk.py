@@ -18,7 +18,7 @@ import torch
 
 from ckptstore import CheckpointClient, StorageUnavailable
 from ckptstore.state import tensor_bytes
-from ckptstore.wire import FORMAT, encode_header
+from ckptstore_core.wire import FORMAT, encode_header
 from ckptstore_service.storage.local import LocalBlobStore
 from serviceproc import Service, partial_upload
 

@@ -20,7 +20,7 @@ from torch import nn
 from ckptstore import CheckpointClient, CheckpointExists, CheckpointNotFound
 from ckptstore import state as state_module
 from ckptstore.state import tensor_bytes, upload_order
-from ckptstore.wire import FORMAT, encode_header
+from ckptstore_core.wire import FORMAT, encode_header
 from serviceproc import Service, partial_upload
 
 KEYFRAME_INTERVAL = 4

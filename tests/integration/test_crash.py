@@ -11,7 +11,7 @@ import httpx
 import torch
 
 from ckptstore import CheckpointClient
-from ckptstore.wire import FORMAT, encode_header
+from ckptstore_core.wire import FORMAT, encode_header
 from ckptstore_service.catalog import Catalog
 from serviceproc import Service, partial_upload
 

@@ -17,7 +17,7 @@ import torch
 
 from ckptstore import CheckpointClient
 from ckptstore.state import dtype_to_wire, flatten, tensor_bytes, upload_order
-from ckptstore.wire import FORMAT, encode_header
+from ckptstore_core.wire import FORMAT, encode_header
 from ckptstore_service.catalog import Catalog
 from serviceproc import Service, partial_upload
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptstore.errors import StorageUnavailable
-from ckptstore.wire import FORMAT, encode_header
+from ckptstore_core.errors import StorageUnavailable
+from ckptstore_core.wire import FORMAT, encode_header
 from ckptstore_service.ingest import ingest
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointClient
-from ckptstore.wire import FORMAT, encode_header
+from ckptstore_core.wire import FORMAT, encode_header
 from serviceproc import Service, partial_upload
 
 pytestmark = pytest.mark.postgres

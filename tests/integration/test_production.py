@@ -17,7 +17,7 @@ import torch
 from test_chains import assert_identical, training_states
 
 from ckptstore import CheckpointClient
-from ckptstore.wire import FORMAT, encode_header
+from ckptstore_core.wire import FORMAT, encode_header
 from ckptstore_service.catalog import Catalog
 from ckptstore_service.storage.s3 import S3BlobStore
 from serviceproc import Service, partial_upload

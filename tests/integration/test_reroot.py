@@ -19,7 +19,7 @@ from test_chains import assert_identical, training_states
 from test_production import backends, s3_store  # noqa: F401 - a fixture, and its store
 
 from ckptstore import CheckpointClient
-from ckptstore.errors import StorageUnavailable
+from ckptstore_core.errors import StorageUnavailable
 from ckptstore_service.catalog import Catalog
 from ckptstore_service.reroot import collect_garbage, reroot, reroot_lock
 from ckptstore_service.runtime import Runtime

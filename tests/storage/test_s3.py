@@ -12,7 +12,7 @@ from typing import Any
 import boto3
 import pytest
 
-from ckptstore.errors import StorageUnavailable
+from ckptstore_core.errors import StorageUnavailable
 from ckptstore_service.storage import BlobNotFound, BlobStore, open_blob_store
 from ckptstore_service.storage.s3 import MIN_PART_SIZE, S3BlobStore
 

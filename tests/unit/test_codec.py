@@ -10,8 +10,8 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptstore import codec
-from ckptstore.codec import (
+from ckptstore_core import codec
+from ckptstore_core.codec import (
     DELTA_MIN_GAIN,
     REF,
     cast_prediction,
@@ -22,7 +22,7 @@ from ckptstore.codec import (
     is_delta,
     split_cast,
 )
-from ckptstore.errors import CorruptData
+from ckptstore_core.errors import CorruptData
 
 rng = np.random.default_rng(1234)
 
@@ -415,7 +415,7 @@ def test_the_numpy_reference_decodes_and_encodes_the_same_bytes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # without numba (a client-only install) every layer still round-trips, to the same bytes
-    from ckptstore import planes
+    from ckptstore_core import planes
 
     local = np.random.default_rng(3)
     table = local.standard_normal((2048, 256)).astype(np.float32)

@@ -9,8 +9,8 @@ import struct
 import numpy as np
 import pytest
 
-from ckptstore.codec import RAW, cast_prediction, decode_chain, encode_chunk, is_delta
-from ckptstore.errors import CorruptData
+from ckptstore_core.codec import RAW, cast_prediction, decode_chain, encode_chunk, is_delta
+from ckptstore_core.errors import CorruptData
 
 Links = list[tuple[str, bytes]]
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from ckptstore.errors import InvalidStream, PayloadTooLarge, UnsupportedDtype
-from ckptstore.wire import DTYPE_SIZES, Header, StreamParser, TensorPiece, encode_header
+from ckptstore_core.errors import InvalidStream, PayloadTooLarge, UnsupportedDtype
+from ckptstore_core.wire import DTYPE_SIZES, Header, StreamParser, TensorPiece, encode_header
 
 
 def _parse(data: bytes, piece: int = 1 << 20) -> tuple[Header, dict[int, bytearray]]:

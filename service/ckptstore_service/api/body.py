@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
-from ckptstore.errors import InvalidStream
+from ckptstore_core.errors import InvalidStream
 from ckptstore_service.ingest import unbatched
 
 __all__ = ["BodyPipe", "drain", "pump", "receive_body"]

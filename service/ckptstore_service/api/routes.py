@@ -9,14 +9,14 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from ckptstore.errors import InvalidRequest
+from ckptstore_core.errors import InvalidRequest
+from ckptstore_core.records import CheckpointInfo
 from ckptstore_service.api.body import BodyPipe, drain, pump, receive_body
 from ckptstore_service.api.deps import MaintenanceDep, RuntimeDep, UploadLimiterDep
-from ckptstore_service.api.schemas import CheckpointOut, CheckpointsOut, RunOut, RunsOut
-from ckptstore_service.catalog import CheckpointInfo
+from ckptstore_service.api.schemas import CheckpointsOut, RunsOut
 from ckptstore_service.ingest import ingest
+from ckptstore_service.names import check_run_name, parse_step
 from ckptstore_service.restore import open_restore
-from ckptstore_service.runtime import check_run_name, parse_step
 
 __all__ = ["router"]
 
@@ -35,14 +35,14 @@ async def healthz(rt: RuntimeDep, maintenance: MaintenanceDep) -> dict[str, str 
 @router.get("/v1/runs")
 async def list_runs(rt: RuntimeDep) -> RunsOut:
     runs = await run_in_threadpool(rt.catalog.list_runs)
-    return RunsOut(runs=[RunOut.model_validate(r) for r in runs])
+    return RunsOut(runs=runs)
 
 
 @router.get("/v1/runs/{run}/checkpoints")
 async def list_checkpoints(run: str, rt: RuntimeDep) -> CheckpointsOut:
     check_run_name(run)
     infos = await run_in_threadpool(rt.catalog.list_checkpoints, run)
-    return CheckpointsOut(run=run, checkpoints=[CheckpointOut.model_validate(i) for i in infos])
+    return CheckpointsOut(run=run, checkpoints=[CheckpointInfo.of(i) for i in infos])
 
 
 @router.get("/v1/runs/{run}/checkpoints/{step}", response_model=None)
@@ -65,7 +65,7 @@ async def load_checkpoint(
     )
 
 
-@router.post("/v1/runs/{run}/checkpoints/{step}", status_code=201, response_model=CheckpointOut)
+@router.post("/v1/runs/{run}/checkpoints/{step}", status_code=201, response_model=CheckpointInfo)
 async def save_checkpoint(
     run: str,
     step: str,
@@ -104,7 +104,7 @@ async def save_checkpoint(
     if created:
         maintenance.after_save(run)
     return JSONResponse(
-        CheckpointOut.model_validate(info).model_dump(mode="json"),
+        CheckpointInfo.of(info).to_json(),
         status_code=201 if created else 200,
     )
 

@@ -1,43 +1,19 @@
-"""JSON shapes of the API's responses, read straight off the catalog's dataclasses."""
+"""The JSON envelopes of the API's listings; the records inside are the core's own
+(:mod:`ckptstore_core.records`), the very classes the client parses them into."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from pydantic import BaseModel
 
-from pydantic import BaseModel, ConfigDict, Field
+from ckptstore_core.records import CheckpointInfo, RunInfo
 
-__all__ = ["CheckpointOut", "CheckpointsOut", "RunOut", "RunsOut"]
-
-
-class _FromCatalog(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-
-class CheckpointOut(_FromCatalog):
-    run: str
-    step: int
-    parent_step: int | None
-    keyframe: bool
-    chain_depth: int
-    raw_bytes: int
-    stored_bytes: int
-    tensors: int
-    created: datetime = Field(validation_alias="created_at")
+__all__ = ["CheckpointsOut", "RunsOut"]
 
 
 class CheckpointsOut(BaseModel):
     run: str
-    checkpoints: list[CheckpointOut]
-
-
-class RunOut(_FromCatalog):
-    name: str
-    checkpoints: int
-    latest_step: int
-    raw_bytes: int
-    stored_bytes: int
-    created: datetime = Field(validation_alias="created_at")
+    checkpoints: list[CheckpointInfo]
 
 
 class RunsOut(BaseModel):
-    runs: list[RunOut]
+    runs: list[RunInfo]

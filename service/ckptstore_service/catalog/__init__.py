@@ -39,13 +39,14 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session, aliased, sessionmaker
 from sqlalchemy.pool import NullPool
 
-from ckptstore.errors import (
+from ckptstore_core.errors import (
     CheckpointExists,
     CheckpointNotFound,
     CorruptData,
     RunNotFound,
     StorageUnavailable,
 )
+from ckptstore_core.records import CheckpointInfo, RunInfo
 from ckptstore_service.catalog.models import (
     COMMITTED,
     WRITING,
@@ -59,7 +60,7 @@ from ckptstore_service.catalog.models import (
 
 __all__ = [
     "Catalog",
-    "CheckpointInfo",
+    "CheckpointRecord",
     "ChunkInfo",
     "NewChunk",
     "RunInfo",
@@ -69,30 +70,13 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
-class CheckpointInfo:
+class CheckpointRecord(CheckpointInfo):
+    """A committed checkpoint as listed, with what only the service needs of it."""
+
     id: int
-    run: str
-    step: int
-    parent_step: int | None
-    keyframe: bool
-    chain_depth: int
     since_keyframe: int
-    raw_bytes: int
-    stored_bytes: int
-    tensors: int
     blob_key: str
     metadata: dict[str, str]
-    created_at: datetime
-
-
-@dataclass(frozen=True, slots=True)
-class RunInfo:
-    name: str
-    checkpoints: int
-    latest_step: int
-    raw_bytes: int
-    stored_bytes: int
-    created_at: datetime
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,9 +290,9 @@ class Catalog:
         )
 
     @staticmethod
-    def _info(row: Any) -> CheckpointInfo:
+    def _info(row: Any) -> CheckpointRecord:
         ck, run, parent_step = row
-        return CheckpointInfo(
+        return CheckpointRecord(
             id=ck.id,
             run=run,
             step=ck.step,
@@ -321,10 +305,10 @@ class Catalog:
             tensors=ck.n_tensors,
             blob_key=ck.blob_key,
             metadata=json.loads(ck.metadata_json),
-            created_at=_utc(ck.created_at),
+            created=_utc(ck.created_at),
         )
 
-    def find(self, run: str, step: int | None) -> CheckpointInfo | None:
+    def find(self, run: str, step: int | None) -> CheckpointRecord | None:
         """The committed checkpoint ``step`` of ``run`` (None: the latest), or None."""
         query = self._info_query().where(Run.name == run)
         query = (
@@ -336,7 +320,7 @@ class Catalog:
             row = s.execute(query).first()
         return None if row is None else self._info(row)
 
-    def get(self, run: str, step: int | None) -> CheckpointInfo:
+    def get(self, run: str, step: int | None) -> CheckpointRecord:
         """Like :meth:`find` but raises RunNotFound / CheckpointNotFound."""
         info = self.find(run, step)
         if info is not None:
@@ -356,7 +340,7 @@ class Catalog:
         with self._session() as s:
             return bool(s.scalar(query))
 
-    def parent_of(self, run: str, step: int) -> CheckpointInfo | None:
+    def parent_of(self, run: str, step: int) -> CheckpointRecord | None:
         """The committed checkpoint of ``run`` with the greatest step below ``step``."""
         query = (
             self._info_query()
@@ -368,7 +352,7 @@ class Catalog:
             row = s.execute(query).first()
         return None if row is None else self._info(row)
 
-    def list_checkpoints(self, run: str) -> list[CheckpointInfo]:
+    def list_checkpoints(self, run: str) -> list[CheckpointRecord]:
         query = self._info_query().where(Run.name == run).order_by(Checkpoint.step)
         with self._session() as s:
             rows = s.execute(query).all()

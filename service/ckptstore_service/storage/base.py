@@ -23,7 +23,7 @@ Contract (every backend, checked by tests/storage/contract.py):
   string prefix, not a folder), sorted by code point (S3's listing order).
 * Every method but ``iter_keys`` raises ``ValueError`` for a key ``check_key`` rejects.
 * Backend failures (unreachable, throttled past retries) raise
-  ``ckptstore.errors.StorageUnavailable`` translated with ``raise ... from exc``.
+  ``ckptstore_core.errors.StorageUnavailable`` translated with ``raise ... from exc``.
 
 Implementations are safe to call from several threads at once.
 """
@@ -33,7 +33,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Collection, Iterable, Iterator
 
-from ckptstore.errors import CkptStoreError
+from ckptstore_core.errors import CkptStoreError
 
 __all__ = ["BlobNotFound", "BlobStore", "Buffer", "check_key"]
 

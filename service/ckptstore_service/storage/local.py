@@ -27,7 +27,7 @@ import time
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
-from ckptstore.errors import StorageUnavailable
+from ckptstore_core.errors import StorageUnavailable
 
 from .base import BlobNotFound, BlobStore, Buffer, check_key
 

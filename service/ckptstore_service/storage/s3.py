@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
 
-from ckptstore.errors import PayloadTooLarge, StorageUnavailable
+from ckptstore_core.errors import PayloadTooLarge, StorageUnavailable
 
 from .base import BlobNotFound, BlobStore, Buffer, check_key
 from .local import check_range

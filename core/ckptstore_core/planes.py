@@ -1,6 +1,6 @@
 """Byte planes: a chunk's residual split into planes, and planes joined back onto values.
 
-:func:`split` computes the residual of ``raw`` against ``base`` (see :mod:`ckptstore.codec` for
+:func:`split` computes the residual of ``raw`` against ``base`` (see :mod:`ckptstore_core.codec` for
 the modes) and returns it as a ``(itemsize, n)`` uint8 array whose row ``i`` holds byte ``i`` of
 every element. :func:`join` is its inverse: it reads the ``itemsize`` planes back as elements
 and applies them to ``out`` -- stores them (``none``), adds them (``sub``), adds their

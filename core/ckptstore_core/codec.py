@@ -12,7 +12,7 @@ parent checkpoint. The encoder tries:
   weights in bench/ runs;
 * ``xor`` -- ``raw ^ base``;
 * ``scale`` (fp32 only) -- ``zsub`` against ``base`` times a factor the encoder finds in the
-  chunk (see :func:`ckptstore.planes.scale`): the rows of an embedding that saw no token
+  chunk (see :func:`ckptstore_core.planes.scale`): the rows of an embedding that saw no token
   since the base only decayed (Adam's moments by 0.9 and 0.999 per step), which ``zsub``
   leaves as a large residual and the scaled base predicts to within a few ulps;
 * ``none`` -- no delta; chosen unless a delta is at least 5% smaller (``DELTA_MIN_GAIN``):
@@ -21,7 +21,7 @@ parent checkpoint. The encoder tries:
 then splits the residual into byte planes (plane *i* holds byte *i* of every element, so the
 sign/exponent bytes of floats sit together) and stores each plane the smallest way: zstd;
 *sparse* (the nonzero bytes of a mostly-zero plane as a list, see
-:func:`ckptstore.planes.sparse_pack`, in one zstd frame: the top byte of a slowly moving
+:func:`ckptstore_core.planes.sparse_pack`, in one zstd frame: the top byte of a slowly moving
 weight's residual is nonzero in a few percent of the elements); or raw when neither pays (the
 low mantissa bytes of trained floats are noise: compressing them wastes CPU; a plane must
 shrink by 15%, or decoding it costs more than its bytes are worth). When at least
@@ -43,9 +43,9 @@ little-endian:
   then one zstd frame of the gap bytes and the nonzero values (no frame if there are none).
 
 Every chunk carries the xxh3-128 of its raw bytes; :func:`decode_chunk` verifies it and raises
-:class:`~ckptstore.errors.CorruptData` on a mismatch. numpy + zstandard, no torch.
+:class:`~ckptstore_core.errors.CorruptData` on a mismatch. numpy + zstandard, no torch.
 zstandard contexts are not thread-safe, so each thread gets its own. The residual and plane
-transposition run in :mod:`ckptstore.planes` (fused numba kernels when installed).
+transposition run in :mod:`ckptstore_core.planes` (fused numba kernels when installed).
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ import numpy as np
 import xxhash
 import zstandard
 
-from ckptstore import planes
-from ckptstore.errors import CorruptData
+from ckptstore_core import planes
+from ckptstore_core.errors import CorruptData
 
 __all__ = [
     "Buffer",

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from ckptstore.errors import InvalidStream, PayloadTooLarge, UnsupportedDtype
+from ckptstore_core.errors import InvalidStream, PayloadTooLarge, UnsupportedDtype
 
 __all__ = [
     "DTYPE_SIZES",

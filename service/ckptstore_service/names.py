@@ -1,0 +1,40 @@
+"""Names the service accepts and makes: run names, steps in paths, blob keys.
+
+One place for each rule, so the routes, the save path and maintenance agree on them.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from ckptstore_core.errors import InvalidRequest
+
+__all__ = ["MAX_STEP", "RUN_NAME_RULE", "blob_key", "check_run_name", "parse_step"]
+
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+RUN_NAME_RULE = "use 1-128 of A-Z a-z 0-9 . _ - starting with a letter or digit"
+MAX_STEP = (1 << 63) - 1
+
+
+def check_run_name(run: str) -> str:
+    """``run`` if it is a valid run name, else InvalidRequest naming the rule."""
+    if not _RUN_NAME.fullmatch(run):
+        raise InvalidRequest(f"invalid run name {run!r}: {RUN_NAME_RULE}")
+    return run
+
+
+def parse_step(step: str, *, allow_latest: bool = False) -> int | None:
+    """A step path segment: a non-negative integer (or ``latest`` when allowed -> None)."""
+    if allow_latest and step == "latest":
+        return None
+    if not step.isascii() or not step.isdigit() or len(step) > 19 or int(step) > MAX_STEP:
+        what = "a non-negative integer" + (" or 'latest'" if allow_latest else "")
+        raise InvalidRequest(f"invalid step {step!r}: expected {what}")
+    return int(step)
+
+
+def blob_key(run: str, step: int) -> str:
+    """A new, unique key for a blob of checkpoint ``run/step`` (a save's, or a re-root's
+    rewrite of it): never reused, so a blob once written is never overwritten."""
+    return f"runs/{run}/{step}-{uuid.uuid4().hex}.blob"

@@ -1,0 +1,49 @@
+"""The package layers: core (torch-free) <- client, core <- service; never client <-> service."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _imported_after(statement: str) -> set[str]:
+    code = f"import sys; {statement}; print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    return {name.split(".")[0] for name in out.stdout.split()}
+
+
+@pytest.mark.parametrize(
+    ("package", "banned"),
+    [("client/ckptstore", "ckptstore_service"), ("core/ckptstore_core", "ckptstore_service")],
+)
+def test_no_source_file_names_a_higher_layer(package: str, banned: str) -> None:
+    files = list((ROOT / package).rglob("*.py"))
+    assert files
+    for path in files:
+        assert banned not in path.read_text(), path
+
+
+def test_core_never_imports_the_client() -> None:
+    for path in (ROOT / "core/ckptstore_core").rglob("*.py"):
+        text = path.read_text()
+        assert "from ckptstore " not in text and "from ckptstore." not in text, path
+        assert "import ckptstore\n" not in text, path
+
+
+def test_the_service_app_leaves_torch_and_the_client_out() -> None:
+    modules = _imported_after("import ckptstore_service.app, ckptstore_service.cli")
+    assert "ckptstore_service" in modules
+    assert "torch" not in modules
+    assert "ckptstore" not in modules  # the trainers' package
+
+
+def test_import_ckptstore_does_not_import_torch() -> None:
+    modules = _imported_after("import ckptstore")
+    assert "torch" not in modules and "ckptstore_service" not in modules
