@@ -41,9 +41,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BaseCache", "CachedBase", "open_reader"]
+__all__ = ["ANY", "BaseCache", "CachedBase", "open_reader"]
 
-_ANY = object()
+ANY = object()  # install()'s if_current: whatever the run's entry is
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +223,7 @@ class BaseCache:
             return None if entry is None else entry.checkpoint_id
 
     def install(
-        self, run: str, checkpoint_id: int, tmp: Path, size: int, *, if_current: object = _ANY
+        self, run: str, checkpoint_id: int, tmp: Path, size: int, *, if_current: object = ANY
     ) -> None:
         """Make ``tmp`` (the ``size`` bytes of ``checkpoint_id``, now the run's latest) its
         cached base; the file is cut to ``size`` (a recycled one may be longer).
@@ -238,10 +238,7 @@ class BaseCache:
         final = self.folder / f"{checkpoint_id}.bin"
         with self._lock:
             old = self._entries.get(run)
-            if (
-                if_current is not _ANY
-                and (None if old is None else old.checkpoint_id) != if_current
-            ):
+            if if_current is not ANY and (None if old is None else old.checkpoint_id) != if_current:
                 tmp.unlink(missing_ok=True)
                 return
             os.replace(tmp, final)

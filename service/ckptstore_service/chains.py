@@ -10,19 +10,32 @@ base id with no row, a range outside its blob) and the result against the chunk'
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
-from concurrent.futures import Future
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
 
 from ckptstore_core import codec
 from ckptstore_core.errors import CorruptData
-from ckptstore_service.catalog import ChunkInfo
+from ckptstore_service.budget import Budget
+from ckptstore_service.catalog import Catalog, CheckpointRecord, ChunkInfo, TensorInfo
 from ckptstore_service.storage import BlobStore, Buffer
 
-__all__ = ["ChainDecoder", "DecodeStats", "Piece", "WindowReader"]
+__all__ = [
+    "ChainDecoder",
+    "ChainSource",
+    "DecodeStats",
+    "Piece",
+    "WindowReader",
+    "check_empty",
+    "check_tiling",
+]
 
 Piece = bytes | memoryview  # decoded data: chunks are sent as the arrays they were decoded in
 
@@ -158,6 +171,90 @@ class ChainDecoder:
                 if sum(map(len, self._kept.values())) + len(out) <= self._keep_budget:
                     self._kept[resolved] = out
         return out
+
+
+_EMPTY = xxhash.xxh3_128_digest(b"")
+_MAX_AHEAD = 256  # chunks decoded ahead, whatever their size (each costs a future)
+
+
+def check_empty(tensors: list[TensorInfo]) -> None:
+    """Empty tensors (no chunks, no bytes) against their recorded checksums."""
+    for t in tensors:
+        if t.nbytes == 0 and t.checksum != _EMPTY:
+            raise CorruptData(f"tensor {t.name!r} does not match its checksum")
+
+
+def check_tiling(tensors: list[TensorInfo], chunks: list[ChunkInfo]) -> None:
+    """Check that ``chunks`` (in tensor and offset order) cover each tensor exactly, back to
+    back: each chunk's bytes are verified when decoded, so its tensor's are too."""
+    ends = {t.idx: 0 for t in tensors}
+    for c in chunks:
+        if c.offset != ends[c.tensor_idx] or c.raw_len <= 0:
+            raise CorruptData(f"the catalog's chunks of tensor {c.tensor_idx} do not tile it")
+        ends[c.tensor_idx] += c.raw_len
+    for t in tensors:
+        if ends[t.idx] != t.nbytes:
+            raise CorruptData(
+                f"the catalog's chunks of tensor {t.name!r} do not tile it: they hold "
+                f"{ends[t.idx]} of its {t.nbytes} bytes"
+            )
+    check_empty(tensors)
+
+
+class ChainSource:
+    """A checkpoint's tensor bytes decoded from storage, chunk by chunk along their chains,
+    in the codec pool, a bounded number of bytes ahead of the consumer."""
+
+    def __init__(self, catalog: Catalog, store: BlobStore, pool: Executor, budget: Budget):
+        self._catalog = catalog
+        self._store = store
+        self._pool = pool
+        self._budget = budget
+
+    def stream(
+        self, info: CheckpointRecord, tensors: list[TensorInfo], stats: DecodeStats | None = None
+    ) -> Iterator[Piece]:
+        """The bytes of ``tensors`` (some or all of ``info``'s, in index order), each chunk
+        verified against its checksum, the chunks checked to tile their tensors."""
+        wanted = {t.idx for t in tensors}
+        own, closure = self._catalog.chunk_tree(info.id)
+        chunks = [c for c in own if c.tensor_idx in wanted]
+        check_tiling(tensors, chunks)
+        decoder = ChainDecoder(self._store, closure, 2 * self._budget.bytes_in_flight, stats)
+        decoder.keep_masters(chunks)
+        return self._decoded(decoder, chunks)
+
+    def _decoded(self, decoder: ChainDecoder, chunks: list[ChunkInfo]) -> Iterator[Piece]:
+        # Decoded chunks queued ahead of the one being sent, bounded in bytes rather than in
+        # chunks: a state has hundreds of small tensors, and a count that keeps the codec
+        # threads busy on 4 MiB chunks lets them run dry on small ones while the sender works.
+        budget = self._budget.bytes_in_flight
+        pending: deque[tuple[int, Future[Piece]]] = deque()
+        queued = 0
+        try:
+            for c in chunks:
+                pending.append((c.raw_len, self._pool.submit(decoder.decode_and_keep, c)))
+                queued += c.raw_len
+                while queued > budget or len(pending) > _MAX_AHEAD:
+                    size, fut = pending.popleft()
+                    queued -= size
+                    yield fut.result()
+            while pending:
+                yield pending.popleft()[1].result()
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+
+    def materialize(self, info: CheckpointRecord, path: Path) -> None:
+        """Write the checkpoint's raw data section (the base cache layout) to ``path``."""
+        tensors = self._catalog.tensors(info.id)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)  # a recycled file: overwritten
+        try:
+            with os.fdopen(fd, "wb", closefd=False) as out:
+                for data in self.stream(info, tensors):
+                    out.write(data)
+        finally:
+            os.close(fd)
 
 
 @dataclass(frozen=True, eq=False)

@@ -8,13 +8,17 @@ import gc
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ckptstore_core import planes
 from ckptstore_core.errors import StorageUnavailable
 from ckptstore_service.budget import Budget
 from ckptstore_service.cache import BaseCache
+from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog
+from ckptstore_service.chains import ChainSource
+from ckptstore_service.restore import Loader
+from ckptstore_service.save import Saver
 from ckptstore_service.settings import Settings
 from ckptstore_service.storage import BlobStore, open_blob_store
 
@@ -49,12 +53,27 @@ def keep_freed_memory(mmap_below: int = 64 << 20, trim_above: int = 256 << 20) -
 
 @dataclass
 class Runtime:
+    """The service's parts, built once by :meth:`open` and wired to each other here: the
+    routes reach the save and load paths (``saver``, ``loader``) through it; the paths
+    themselves get the narrow parts they use in their constructors."""
+
     settings: Settings
     catalog: Catalog
     store: BlobStore
     cache: BaseCache
     pool: ThreadPoolExecutor
     workers: int
+    budget: Budget = field(init=False)
+    source: ChainSource = field(init=False)
+    saver: Saver = field(init=False)
+    loader: Loader = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.budget = Budget(self.workers, self.settings.chunk_bytes)
+        self.source = ChainSource(self.catalog, self.store, self.pool, self.budget)
+        policy = CachePolicy(self.cache, self.catalog, self.source)
+        self.saver = Saver(self.catalog, self.store, policy, self.pool, self.settings, self.budget)
+        self.loader = Loader(self.catalog, policy, self.source)
 
     @classmethod
     def open(cls, settings: Settings) -> Runtime:
@@ -91,10 +110,6 @@ class Runtime:
         if not keep_freed_memory():
             log.info("glibc malloc tuning did not apply: codec buffers are fresh pages")
         return runtime
-
-    @property
-    def budget(self) -> Budget:
-        return Budget(self.workers, self.settings.chunk_bytes)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -10,7 +10,6 @@ import pytest
 
 from ckptstore_core.errors import StorageUnavailable
 from ckptstore_core.wire import FORMAT, encode_header
-from ckptstore_service.ingest import ingest
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
 
@@ -32,7 +31,7 @@ def test_a_blob_that_cannot_be_deleted_keeps_its_row_for_the_start_up_collection
         monkeypatch.setattr(rt.catalog, "commit_upload", refuse)
         monkeypatch.setattr(rt.store, "delete", refuse)
         with pytest.raises(StorageUnavailable, match="refused"):
-            ingest(rt, "r", 1, [body], len(body))
+            rt.saver.ingest("r", 1, [body], len(body))
         blobs = list(rt.store.iter_keys())
         assert len(blobs) == 1
         assert [key for _, _, key, _ in rt.catalog.uploads_in_progress()] == blobs

@@ -15,7 +15,7 @@ import anyio
 from starlette.requests import ClientDisconnect, Request
 
 from ckptstore_core.errors import InvalidStream
-from ckptstore_service.ingest import unbatched
+from ckptstore_service.handoff import unbatched
 
 __all__ = ["BodyPipe", "drain", "pump", "receive_body"]
 

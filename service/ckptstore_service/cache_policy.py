@@ -1,0 +1,141 @@
+"""Every rule about when the base cache is read, filled, taken and installed, in one place.
+
+:class:`~ckptstore_service.cache.BaseCache` is the mechanism (files, slots, LRU, readers'
+locks); this is the policy the save and load paths share:
+
+* **Only a run's latest checkpoint is installed.** A file is installed for checkpoint C of
+  run R only if C is R's latest in the catalog when it is installed, and, for a load that
+  filled it without the run's lock, only if R's entry did not change while it was filled (a
+  save that committed and installed meanwhile is newer).
+* **A save reads its base from the cache,** and on a miss rebuilds it from storage into a
+  cache file (installed if the parent is still the latest). When the new checkpoint's tensors
+  keep their offsets, the save takes the parent's file out of the cache and overwrites it in
+  place; else it fills the run's spare or a fresh file.
+* **A load of the latest checkpoint from storage fills the cache as it streams,** so a miss
+  (a restart, another replica's save) costs one decode, not one per load plus one at the
+  run's next save. A load of only some tensors (``prefix``) fills nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptstore_service.cache import ANY, BaseCache, open_reader
+from ckptstore_service.catalog import Catalog, CheckpointRecord
+from ckptstore_service.chains import ChainSource, Piece
+
+__all__ = ["CachePolicy", "SaveFiles"]
+
+
+@dataclass
+class SaveFiles:
+    """A save's files: the parent's raw data to read bases from (None for a first save),
+    and the new checkpoint's cache file, open for writing (``path``, ``fd``). Set
+    ``committed`` to ``(checkpoint_id, size)`` once the checkpoint is committed."""
+
+    base_fd: int | None
+    path: Path
+    fd: int
+    committed: tuple[int, int] | None = None
+
+
+class CachePolicy:
+    def __init__(self, cache: BaseCache, catalog: Catalog, source: ChainSource) -> None:
+        self.cache = cache
+        self._catalog = catalog
+        self._source = source
+
+    def open(self, run: str, checkpoint_id: int) -> int | None:
+        """A read-only fd of the cached checkpoint, or None on a miss. Caller closes it."""
+        return self.cache.open(run, checkpoint_id)
+
+    @contextlib.contextmanager
+    def save_files(
+        self, run: str, parent: CheckpointRecord | None, same_offsets: bool
+    ) -> Iterator[SaveFiles]:
+        """The files of a save of ``run`` against ``parent``; the caller holds the run's lock.
+        On exit both fds are closed, then the new file is installed if the caller set
+        ``committed`` (no newer checkpoint can have been committed and installed meanwhile,
+        the lock saw to that, so only the catalog's latest is checked), else discarded."""
+        base_fd = new = None
+        try:
+            if parent is not None:
+                base_fd = self.cache.open(run, parent.id)
+                if base_fd is None:
+                    base_fd = self._rebuild(run, parent)
+                if same_offsets:  # overwritten chunk by chunk, each right after it is read
+                    new = self.cache.take(run, parent.id, base_fd)
+            path = new or self.cache.new_file(run)
+            files = SaveFiles(base_fd, path, os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        except BaseException:
+            if base_fd is not None:
+                os.close(base_fd)
+            if new is not None:
+                self.cache.discard(new)  # the cache lost the parent: a later save rebuilds it
+            raise
+        try:
+            yield files
+        except BaseException:
+            files.committed = None
+            raise
+        finally:
+            try:
+                if base_fd is not None:
+                    os.close(base_fd)
+                os.close(files.fd)
+            finally:
+                if files.committed is None:
+                    self.cache.discard(files.path)
+                else:
+                    checkpoint_id, size = files.committed
+                    self._install_if_latest(run, checkpoint_id, files.path, size, ANY)
+
+    def _rebuild(self, run: str, parent: CheckpointRecord) -> int:
+        """Decode the parent from storage into a cache file (a base-cache miss); returns a
+        readable fd of it, installed if the parent is still the run's latest or not."""
+        tmp = self.cache.new_file(run)
+        try:
+            self._source.materialize(parent, tmp)
+            fd = open_reader(tmp)
+        except BaseException:
+            self.cache.discard(tmp)
+            raise
+        self._install_if_latest(run, parent.id, tmp, parent.raw_bytes, ANY)
+        return fd
+
+    def fill(self, info: CheckpointRecord, data: Iterator[Piece]) -> Iterator[Piece]:
+        """Pass a load's decoded data through, keeping a copy as the run's base cache if the
+        checkpoint is its latest and no newer one is installed by the time it ends."""
+        latest = self._catalog.find(info.run, None)
+        if latest is None or latest.id != info.id:
+            yield from data
+            return
+        before = self.cache.current(info.run)
+        tmp = self.cache.new_file(info.run)
+        size = 0
+        complete = False
+        try:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as out:
+                for piece in data:
+                    size += out.write(piece)
+                    yield piece
+            complete = True
+        finally:
+            if complete:
+                self._install_if_latest(info.run, info.id, tmp, size, before)
+            else:
+                self.cache.discard(tmp)
+
+    def _install_if_latest(
+        self, run: str, checkpoint_id: int, tmp: Path, size: int, if_current: object
+    ) -> None:
+        """The one install rule (see the module's docstring); else ``tmp`` is dropped."""
+        latest = self._catalog.find(run, None)
+        if latest is not None and latest.id == checkpoint_id:
+            self.cache.install(run, checkpoint_id, tmp, size, if_current=if_current)
+        else:
+            self.cache.discard(tmp)

@@ -1,0 +1,173 @@
+"""The encode stage of a save: planned chunks in, encoded chunks out, in the same order,
+within a memory budget.
+
+Each chunk is encoded against its base (read from the parent's data section) or its cast
+source (read from the new cache file), and its raw bytes are written to the new cache file,
+in the codec pool; a small chunk costs less to encode in the calling thread than to hand to
+a codec thread (two wake-ups), so it is encoded at once. What is held:
+
+* chunks in flight in the pool hold a buffer each: at most ``budget.in_flight`` of them;
+* small chunks, encoded at once, hold only what they encoded while they wait for the chunks
+  before them; they do not wait on the pool, so the ingest goes on parsing (a state's many
+  small tensors come last, see ``upload_order`` in ckptstore.state) while the pool works.
+  Each counts at least ``_SMALL_COST`` bytes (its future and bookkeeping weigh ~1 KB): at
+  most ``budget.bytes_in_flight`` of them.
+
+Use it as a context manager: on exit, jobs not taken are cancelled or waited for (a job
+may still write to the cache file, which the caller is about to close).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, replace
+from types import TracebackType
+
+import numpy as np
+
+from ckptstore_core import codec
+from ckptstore_service.budget import Budget
+from ckptstore_service.save.plan import CastFrom, ChunkPlan
+from ckptstore_service.save.split import RawChunk
+
+__all__ = ["EncodePipeline", "Encoded", "encode_job"]
+
+# chunks smaller than this are encoded by the ingest thread itself: a hand-off to a codec
+# thread (two wake-ups) costs more than encoding a few KiB
+_INLINE_BYTES = 64 << 10
+# what a small chunk waiting to be written counts for, at least, against the budget
+_SMALL_COST = 16 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    chunk: RawChunk  # its block is recycled: only its place and sizes remain valid
+    plan: ChunkPlan
+    enc: codec.EncodedChunk
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    chunk: RawChunk
+    plan: ChunkPlan
+    pooled: bool  # holds its block until encoded (else it was encoded at once)
+    future: Future[codec.EncodedChunk]
+
+
+def _read_base(fd: int, c: RawChunk, plan: ChunkPlan) -> memoryview | None:
+    if plan.base is None:
+        return None
+    view = c.scratch[: c.raw_len]
+    if os.preadv(fd, [view.data], plan.base.file_offset) != c.raw_len:
+        raise RuntimeError("base cache file is shorter than the catalog says")
+    return view.data
+
+
+def _predicted(cast: CastFrom, cache_fd: int) -> bytes:
+    cast.written.wait()
+    return codec.cast_prediction(os.pread(cache_fd, cast.length, cast.file_offset), cast.dtype)
+
+
+def encode_job(
+    c: RawChunk, plan: ChunkPlan, level: int, base_fd: int | None, cache_fd: int
+) -> codec.EncodedChunk:
+    """Encode one chunk (a codec thread's job) and write its raw bytes to the cache file."""
+    try:
+        predicted = None if plan.cast is None else _predicted(plan.cast, cache_fd)
+        parent = None if base_fd is None else _read_base(base_fd, c, plan)
+        os.pwrite(cache_fd, c.data.data, c.file_offset)
+    finally:
+        if plan.written is not None:
+            plan.written.set()  # also on failure: the ingest fails anyway, nobody must hang
+    if predicted is not None:
+        assert plan.cast is not None
+        # a delta on the prediction adds no chain link: every gain counts
+        enc = codec.encode_chunk(c.data.data, predicted, c.itemsize, level, min_gain=0.0)
+        if enc.codec == codec.REF or codec.is_delta(enc.codec):
+            return replace(enc, codec=f"{codec.CASTS[plan.cast.dtype]}|{enc.codec}")
+        # the copy is not a rounding of its master after all: the parent may do better
+    return codec.encode_chunk(c.data.data, parent, c.itemsize, level, delta=plan.delta)
+
+
+def _at_once(fn: Callable[..., codec.EncodedChunk], *args: object) -> Future[codec.EncodedChunk]:
+    future: Future[codec.EncodedChunk] = Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as exc:
+        future.set_exception(exc)
+    return future
+
+
+class EncodePipeline:
+    """Encodes planned chunks in order (see the module's docstring). ``recycle`` gets each
+    chunk's block back once its bytes are no longer needed."""
+
+    def __init__(
+        self,
+        pool: Executor,
+        budget: Budget,
+        level: int,
+        base_fd: int | None,
+        cache_fd: int,
+        recycle: Callable[[np.ndarray], None],
+    ) -> None:
+        self._pool = pool
+        self._max_pooled = budget.in_flight
+        self._max_small = budget.bytes_in_flight
+        self._args = (level, base_fd, cache_fd)
+        self._recycle = recycle
+        self._pending: deque[_Pending] = deque()
+        self._pooled = self._small = 0
+
+    def run(self, planned: Iterable[tuple[RawChunk, ChunkPlan]]) -> Iterator[Encoded]:
+        """The chunks encoded, in the order they came, each as soon as the budget wants it
+        out; the rest at the end."""
+        for c, plan in planned:
+            self._submit(c, plan)
+            while self._pending and (
+                self._pooled > self._max_pooled or self._small > self._max_small
+            ):
+                yield self._take()
+        while self._pending:
+            yield self._take()
+
+    def _submit(self, c: RawChunk, plan: ChunkPlan) -> None:
+        pooled = c.raw_len >= _INLINE_BYTES
+        if pooled:
+            future = self._pool.submit(encode_job, c, plan, *self._args)
+            self._pooled += 1
+        else:
+            future = _at_once(encode_job, c, plan, *self._args)
+            self._recycle(c.block)  # encoded: what it returned holds bytes of its own
+            self._small += max(c.raw_len, _SMALL_COST)
+            future.result()  # a failure stops the upload now, not at the next take
+        self._pending.append(_Pending(c, plan, pooled, future))
+
+    def _take(self) -> Encoded:
+        p = self._pending.popleft()
+        enc = p.future.result()
+        if p.pooled:
+            self._recycle(p.chunk.block)
+            self._pooled -= 1
+        else:
+            self._small -= max(p.chunk.raw_len, _SMALL_COST)
+        return Encoded(p.chunk, p.plan, enc)
+
+    def __enter__(self) -> EncodePipeline:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for p in self._pending:
+            p.future.cancel()
+        for p in self._pending:
+            if not p.future.cancelled():
+                p.future.exception()  # wait: the job may still write to the cache file
+        self._pending.clear()

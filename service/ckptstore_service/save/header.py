@@ -1,0 +1,150 @@
+"""The first stage of a save: the body's header, read and checked before anything is
+stored, and the tensor pieces that follow it.
+
+Nothing here does I/O but pulling from the body iterator; the parser is the core's
+(:class:`~ckptstore_core.wire.StreamParser`), which checks the framing. Here: what the
+service checks beyond it (no NUL in names, a skeleton the client could load back, a
+Content-Length that agrees with the header), and an idempotent retry's comparison with what
+is stored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import xxhash
+
+from ckptstore_core.errors import CheckpointExists, InvalidStream
+from ckptstore_core.wire import FORMAT, Header, StreamParser, TensorPiece
+from ckptstore_service.catalog import CheckpointRecord, TensorInfo
+
+__all__ = ["Incoming", "check_metadata", "open_body", "read_header", "same_content"]
+
+
+@dataclass
+class Incoming:
+    """A body whose header is read: the header, and its tensor pieces (an iterator that
+    parses the rest of the body as it is consumed, once)."""
+
+    header: Header
+    pieces: Iterator[TensorPiece]
+
+
+def open_body(
+    body: Iterable[bytes], content_length: int | None, max_header_bytes: int, max_upload_bytes: int
+) -> Incoming:
+    """Parse ``body`` up to the end of its header and check it (InvalidStream,
+    PayloadTooLarge); the tensor pieces follow lazily."""
+    parser = StreamParser(max_header_bytes, max_upload_bytes)
+    it = iter(body)
+    header, first = read_header(parser, it)
+    check_metadata(header)
+    if content_length is not None and content_length != header.total_len:
+        raise InvalidStream(
+            f"Content-Length {content_length} disagrees with the header, which describes "
+            f"{header.total_len} bytes"
+        )
+    return Incoming(header, _tensor_stream(parser, first, it))
+
+
+def read_header(parser: StreamParser, body: Iterator[bytes]) -> tuple[Header, list[TensorPiece]]:
+    """Feed ``body`` until the header is parsed; returns it with any tensor pieces after it."""
+    for data in body:
+        events = list(parser.feed(data))
+        if events:
+            header = events[0]
+            assert isinstance(header, Header)
+            pieces = [e for e in events[1:] if isinstance(e, TensorPiece)]
+            # copy: the pieces view ``data``, which the caller does not keep alive
+            return header, [
+                TensorPiece(p.index, p.offset, memoryview(bytes(p.data))) for p in pieces
+            ]
+    parser.close()  # raises: the stream ended inside the header
+    raise AssertionError("unreachable")
+
+
+def check_metadata(header: Header) -> None:
+    """Refuse a header whose checkpoint no client could load back (InvalidStream).
+
+    The service does not interpret the skeleton (its tags belong to the client's state
+    module), but it checks what it can without torch: no NUL in a tensor name, a
+    ``ckptstore/`` format it knows (a skeleton comes with ours only), a skeleton that is JSON
+    ``{"v": 1, "root": ...}``, and every tensor the skeleton refers to (``{"t": "tensor",
+    "n": NAME}``, or an ``ndarray`` sent as a tensor) present in the header. A plain
+    safetensors file has neither key and is stored as it is.
+    """
+    for t in header.tensors:
+        # here, not in the wire parser the client shares: checkpoints stored on SQLite by
+        # clients that sent NUL still download
+        if "\x00" in t.name:
+            raise InvalidStream(f"tensor name {t.name!r} holds NUL, which PostgreSQL refuses")
+    meta = header.metadata
+    fmt = meta.get("format", "")
+    # other writers' formats ({"format": "pt"} from transformers) are plain safetensors files
+    if fmt != FORMAT and (fmt.startswith("ckptstore/") or "skeleton" in meta):
+        raise InvalidStream(f"unknown format {fmt!r}; this service stores {FORMAT!r}")
+    skeleton = meta.get("skeleton")
+    if skeleton is None:
+        return
+    try:
+        doc = json.loads(skeleton, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidStream(f"skeleton is not JSON: {exc}") from exc
+    version = doc.get("v") if isinstance(doc, dict) else None
+    if (
+        not isinstance(doc, dict)
+        or set(doc) != {"v", "root"}
+        or type(version) is not int
+        or version != 1
+    ):
+        raise InvalidStream('skeleton must be {"v": 1, "root": ...}')
+    names = {t.name for t in header.tensors}
+    todo: list[object] = [doc["root"]]
+    while todo:  # iterative: the JSON parser allowed the nesting, so must this
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(node)
+        elif isinstance(node, dict):
+            if node.get("t") in ("tensor", "ndarray") and "n" in node:
+                name = node["n"]
+                if not isinstance(name, str) or name not in names:
+                    raise InvalidStream(f"skeleton refers to tensor {name!r}, which is not sent")
+            todo.extend(node.values())
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _tensor_stream(
+    parser: StreamParser, first: list[TensorPiece], it: Iterator[bytes]
+) -> Iterator[TensorPiece]:
+    yield from first
+    for data in it:
+        for event in parser.feed(data):
+            assert isinstance(event, TensorPiece)
+            yield event
+    parser.close()
+
+
+def same_content(
+    existing: CheckpointRecord, stored_tensors: list[TensorInfo], incoming: Incoming
+) -> CheckpointRecord:
+    """``existing`` if ``incoming`` holds the same checkpoint (a retry: the client gets a
+    200), else CheckpointExists. Consumes the body."""
+    header = incoming.header
+    # by name: the order of the tensors in the stream is free (clients have changed it)
+    stored = {t.name: (t.dtype, t.shape, t.checksum) for t in stored_tensors}
+    hashers = [xxhash.xxh3_128() for _ in header.tensors]
+    for piece in incoming.pieces:
+        hashers[piece.index].update(piece.data)
+    sent = {
+        t.name: (t.dtype, t.shape, h.digest()) for t, h in zip(header.tensors, hashers, strict=True)
+    }
+    if existing.metadata == header.metadata and sent == stored:
+        return existing
+    raise CheckpointExists(
+        f"run {existing.run!r} already has a different checkpoint at step {existing.step}"
+    )

@@ -1,0 +1,156 @@
+"""The delta planner of a save: what each chunk may be encoded against, and how the stored
+chunk then links into the chain.
+
+* **Base:** the chunk at the same place (name, dtype, shape, offset, length) in the parent
+  checkpoint, if there is one. A ref in the parent points at the chunk it equals, so the
+  base is that chunk. The chunk may be a delta of its base unless the save is a keyframe
+  (every ``keyframe_interval`` checkpoints) or the base's chain is ``max_chain_depth`` deep.
+* **Cast source:** a bf16/f16 tensor that pairs with exactly one fp32 tensor of the same
+  checkpoint (same shape, same name below the first path component: ``model/fc.weight``
+  with ``master/fc.weight``) is first predicted as the rounding of its fp32 chunk, which
+  therefore must be in the new cache file first: :class:`CastFrom` carries the event that
+  says so. Clients send fp32 tensors first.
+* **Link:** once encoded, a ref or delta rests on its base (depth + 1 for a delta); a copy
+  predicted from its master rests on that chunk of the same checkpoint (a *sibling*).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ckptstore_core import codec
+from ckptstore_core.wire import Header
+from ckptstore_service.catalog import ChunkInfo, TensorInfo
+from ckptstore_service.save.split import RawChunk
+
+__all__ = ["BaseChunk", "CastFrom", "ChunkPlan", "DeltaPlanner", "Link", "same_offsets"]
+
+_Place = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, offset, length
+
+
+@dataclass(frozen=True, slots=True)
+class BaseChunk:
+    chunk_id: int  # a non-ref chunk (refs point straight at what they equal)
+    depth: int
+    file_offset: int  # of the chunk's raw bytes in the parent's data section
+
+
+@dataclass(frozen=True, slots=True)
+class CastFrom:
+    """A bf16/f16 chunk predicted from the fp32 chunk ``source`` of the same checkpoint."""
+
+    dtype: str  # BF16 or F16
+    source: tuple[int, int]  # (tensor index, offset) of the fp32 chunk
+    file_offset: int  # of the fp32 chunk in the new cache file
+    length: int
+    written: threading.Event  # set once the fp32 chunk is in the cache file
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    base: BaseChunk | None
+    delta: bool  # may be a delta of ``base`` (a ref to it is always allowed)
+    cast: CastFrom | None
+    written: threading.Event | None  # to set once this chunk is in the cache file
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    base_id: int | None  # None: self-contained, or a copy of a sibling
+    depth: int
+    sibling: int | None  # index (in the save's chunk list) of the master it is a copy of
+
+
+def same_offsets(parent: Iterable[TensorInfo], header: Header) -> bool:
+    """Whether every tensor of ``header`` that the parent also has (same name, dtype and
+    shape) lies at the same offset in both data sections. Then each chunk's base sits where
+    the chunk itself goes: a save can overwrite its base file in place, each chunk right
+    after reading its base, and nothing it still has to read is overwritten first."""
+    begins = {(t.name, t.dtype, t.shape): t.begin for t in parent}
+    return all(begins.get((t.name, t.dtype, t.shape), t.begin) == t.begin for t in header.tensors)
+
+
+def cast_sources(header: Header) -> dict[int, int]:
+    """bf16/f16 tensors (index) that look like rounded copies of an fp32 tensor (index)."""
+    fp32: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    sources = {}
+    for i, t in enumerate(header.tensors):
+        tail = t.name.partition("/")[2]
+        if not tail or not t.nbytes:
+            continue
+        if t.dtype == "F32":
+            fp32.setdefault((tail, t.shape), []).append(i)
+        elif t.dtype in codec.CASTS:
+            found = fp32.get((tail, t.shape), [])
+            if len(found) == 1:
+                sources[i] = found[0]
+    return sources
+
+
+class DeltaPlanner:
+    """Plans the chunks of one save, in stream order, then links them as they are stored.
+
+    ``parent_tensors`` (by index) and ``parent_chunks`` describe the parent checkpoint
+    (none for a run's first save). Not thread-safe: the ingest thread alone calls it.
+    """
+
+    def __init__(
+        self,
+        header: Header,
+        *,
+        keyframe: bool,
+        max_chain_depth: int,
+        parent_tensors: dict[int, TensorInfo],
+        parent_chunks: Iterable[ChunkInfo],
+    ) -> None:
+        self._header = header
+        self.keyframe = keyframe
+        self._max_depth = max_chain_depth
+        self._bases: dict[_Place, BaseChunk] = {}
+        for c in parent_chunks:
+            t = parent_tensors[c.tensor_idx]
+            target = c.base_id if c.codec == codec.REF else c.id
+            assert target is not None
+            place = (t.name, t.dtype, t.shape, c.offset, c.raw_len)
+            self._bases[place] = BaseChunk(target, c.depth, t.begin + c.offset)
+        self._sources = cast_sources(header)
+        self._masters = set(self._sources.values())
+        self._written: dict[tuple[int, int], threading.Event] = {}
+        self._stored: dict[tuple[int, int], tuple[int, int]] = {}  # -> (index, depth)
+
+    def plan(self, c: RawChunk) -> ChunkPlan:
+        spec = self._header.tensors[c.tensor_idx]
+        base = self._bases.get((spec.name, spec.dtype, spec.shape, c.offset, c.raw_len))
+        delta = not self.keyframe and base is not None and base.depth < self._max_depth
+        cast = None
+        source = self._sources.get(c.tensor_idx)
+        if source is not None:
+            src_begin = c.offset // c.itemsize * 4
+            cast = CastFrom(
+                spec.dtype,
+                (source, src_begin),
+                self._header.tensors[source].begin + src_begin,
+                c.raw_len // c.itemsize * 4,
+                self._written[(source, src_begin)],
+            )
+        written = None
+        if c.tensor_idx in self._masters:
+            written = self._written[(c.tensor_idx, c.offset)] = threading.Event()
+        return ChunkPlan(base, delta, cast, written)
+
+    def link(self, c: RawChunk, plan: ChunkPlan, encoded_as: str) -> Link:
+        """How chunk ``c``, planned as ``plan`` and encoded as codec ``encoded_as``, rests
+        on what it was encoded against; call in stream order, once per chunk."""
+        sibling = None
+        base_id, depth = None, 0
+        if plan.cast is not None and codec.split_cast(encoded_as):
+            sibling, master_depth = self._stored[plan.cast.source]
+            depth = master_depth + 1
+        elif encoded_as == codec.REF or codec.is_delta(encoded_as):
+            assert plan.base is not None
+            base_id = plan.base.chunk_id
+            depth = plan.base.depth + codec.is_delta(encoded_as)
+        self._stored[(c.tensor_idx, c.offset)] = (len(self._stored), depth)
+        return Link(base_id, depth, sibling)

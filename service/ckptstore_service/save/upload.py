@@ -1,0 +1,203 @@
+"""The upload transaction of a save: a checkpoint's blob and its ``writing`` row, from
+begin to commit or abort.
+
+    tx = UploadTransaction.begin(catalog, store, run, step)   # the writing row, the writer
+    tx.write(parts) ...                                        # appended, in order
+    tx.finish()                                                # the blob is durable
+    tx.commit(...)                                             # one catalog transaction
+    tx.abort()                                                 # or: nothing stays visible
+
+As a context manager it aborts if the body raises before :meth:`commit`. Data first,
+metadata last: the checkpoint becomes visible only in the commit's transaction, after its
+blob is durable. An abort runs each clean-up step on its own (the save's own error is what
+the client must see, and a blob store that refused the write refuses the delete too) and
+drops the ``writing`` row only once its blob is gone: that row is what names a finished
+blob to the start-up collection, which nothing else would ever find.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from types import TracebackType
+
+from ckptstore_core.errors import InvalidStream
+from ckptstore_service.catalog import Catalog, NewChunk, TensorInfo
+from ckptstore_service.handoff import unbatched
+from ckptstore_service.names import blob_key
+from ckptstore_service.storage import BlobStore, Buffer
+
+__all__ = ["UploadTransaction"]
+
+_END = object()
+log = logging.getLogger("ckptstore")
+
+
+class BlobWriter:
+    """Runs ``store.put_stream`` in its own thread, fed through a bounded queue.
+
+    Payloads are handed over in batches of ~1 MiB: a checkpoint has hundreds of small chunks,
+    and each hand-off wakes the writer thread.
+    """
+
+    _BATCH = 1 << 20
+
+    def __init__(self, store: BlobStore, key: str) -> None:
+        self._q: queue.Queue[object] = queue.Queue(4)
+        self._result: int | BaseException | None = None
+        self._batch: list[Buffer] = []
+        self._batched = 0
+        self._thread = threading.Thread(target=self._run, args=(store, key), daemon=True)
+        self._thread.start()
+
+    def _pieces(self) -> Iterator[bytes]:
+        return unbatched(iter(self._q.get, None), _END)  # get() until _END (never None)
+
+    def _run(self, store: BlobStore, key: str) -> None:
+        try:
+            self._result = store.put_stream(key, self._pieces())
+        except BaseException as exc:
+            self._result = exc
+
+    def _put(self, item: object) -> None:
+        while self._thread.is_alive():
+            try:
+                self._q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+        self._raise()
+
+    def _raise(self) -> None:
+        if isinstance(self._result, BaseException):
+            raise self._result
+
+    def write(self, data: Buffer) -> None:
+        if len(data):
+            self._batch.append(data)
+            self._batched += len(data)
+            if self._batched >= self._BATCH:
+                self._flush()
+
+    def _flush(self) -> None:
+        if self._batch:
+            self._put(self._batch)
+            self._batch, self._batched = [], 0
+
+    def finish(self) -> int:
+        self._flush()
+        self._put(_END)
+        self._thread.join()
+        self._raise()
+        assert isinstance(self._result, int)
+        return self._result
+
+    def abort(self) -> None:
+        if self._thread.is_alive():
+            self._put(InvalidStream("upload aborted"))
+            self._thread.join()
+
+
+def _cleanup(fn: Callable[..., object], *args: object) -> bool:
+    """One clean-up step after a failed save; its own failure is logged, not raised (the
+    ``writing`` row and blob it leaves are collected at the next start-up). Returns whether
+    it succeeded."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        log.warning("clean-up after a failed save: %s: %s", type(exc).__name__, exc)
+        return False
+    return True
+
+
+def _blob_gone(store: BlobStore, key: str) -> bool:
+    """Delete a failed save's blob; whether it is gone (or was never written). Only then may
+    its ``writing`` row go: the row is what names a finished blob to the start-up
+    collection, which nothing else would ever find."""
+    if _cleanup(store.delete, key):
+        return True
+    try:
+        return not store.exists(key)
+    except Exception:
+        return False
+
+
+class UploadTransaction:
+    """See the module's docstring. ``checkpoint_id`` is the writing row's id."""
+
+    def __init__(self, catalog: Catalog, store: BlobStore, key: str, checkpoint_id: int):
+        self._catalog = catalog
+        self._store = store
+        self.key = key
+        self.checkpoint_id = checkpoint_id
+        self._writer = BlobWriter(store, key)
+        self.written = 0  # bytes appended so far
+        self.committed = False
+
+    @classmethod
+    def begin(cls, catalog: Catalog, store: BlobStore, run: str, step: int) -> UploadTransaction:
+        run_id = catalog.ensure_run(run)
+        key = blob_key(run, step)
+        return cls(catalog, store, key, catalog.begin_upload(run_id, step, key))
+
+    def write(self, parts: Iterable[Buffer]) -> tuple[int, int]:
+        """Append one encoded chunk; returns its (offset, length) in the blob."""
+        offset = self.written
+        for part in parts:
+            self._writer.write(part)
+            self.written += len(part)
+        return offset, self.written - offset
+
+    def finish(self) -> int:
+        """Make the blob durable; returns its size."""
+        return self._writer.finish()
+
+    def commit(
+        self,
+        *,
+        parent_id: int | None,
+        keyframe: bool,
+        since_keyframe: int,
+        raw_bytes: int,
+        stored_bytes: int,
+        metadata: dict[str, str],
+        tensors: Sequence[TensorInfo],
+        chunks: Sequence[NewChunk],
+        sibling_bases: dict[int, int],
+    ) -> None:
+        """Make the checkpoint visible (after :meth:`finish`), in one transaction."""
+        self._catalog.commit_upload(
+            self.checkpoint_id,
+            parent_id=parent_id,
+            keyframe=keyframe or all(c.depth == 0 for c in chunks),
+            chain_depth=max((c.depth for c in chunks), default=0),
+            since_keyframe=since_keyframe,
+            raw_bytes=raw_bytes,
+            stored_bytes=stored_bytes,
+            metadata=metadata,
+            tensors=tensors,
+            chunks=chunks,
+            sibling_bases=sibling_bases,
+        )
+        self.committed = True
+
+    def abort(self) -> None:
+        """Undo what is not committed; each step on its own, failures logged."""
+        if self.committed:
+            return
+        _cleanup(self._writer.abort)
+        if _blob_gone(self._store, self.key):
+            _cleanup(self._catalog.abort_upload, self.checkpoint_id)
+
+    def __enter__(self) -> UploadTransaction:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.abort()
