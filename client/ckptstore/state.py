@@ -6,7 +6,7 @@ counters) and splits it in two: the tensors, each under a name derived from its 
 ``unflatten`` inverts it exactly: container types (dict, ``OrderedDict``, ``Counter``, list,
 tuple), key
 order, key types (optimizer state keys stay ``int``; ``True`` stays ``bool``), and every leaf
-value bit for bit. No pickle is involved (DESIGN.md invariant 4).
+value bit for bit. No pickle is involved (docs/architecture.md, invariant 4).
 
 Tensor names
     The key path joined with ``/``; each component is ``str(key)`` (or the list index) escaped
