@@ -10,6 +10,11 @@ near 0.5 GB/s in our measurements, and the transfer speed is what a trainer wait
 
 Connection errors and 503s are retried with exponential backoff and jitter; that is safe for
 saves because a repeated POST of the same step with the same content is an idempotent 200.
+
+``save_async`` copies the state into reused host buffers and uploads it in a background
+thread through the same path as ``save`` (see :mod:`ckptstore.staging`). Connections come from
+a pool that gives each request its own, so a background upload never shares a connection with
+the caller's loads and listings.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
 
 import numpy as np
@@ -39,6 +45,10 @@ from ckptstore_core.errors import (
 )
 from ckptstore_core.records import CheckpointInfo, RunInfo
 from ckptstore_core.wire import FORMAT, Header, StreamParser, encode_header
+
+if TYPE_CHECKING:
+    from ckptstore.staging import AsyncSaver
+    from ckptstore.state import FlatState
 
 __all__ = ["CheckpointClient", "CheckpointInfo", "RunInfo"]
 
@@ -114,6 +124,9 @@ class CheckpointClient:
     :class:`~ckptstore_core.errors.ServiceUnavailable` or the service's 503 error is raised);
     ``timeout`` applies to each socket operation, not to a whole transfer. ``progress=True``
     shows a tqdm bar on saves and loads. Safe to share between threads.
+
+    :meth:`close` (and leaving a ``with`` block) first waits for a :meth:`save_async` upload
+    in flight.
     """
 
     def __init__(
@@ -130,8 +143,18 @@ class CheckpointClient:
         self.backoff = backoff
         self.progress = progress
         self._pool = _Pool(self.url, timeout)
+        self._saver: AsyncSaver | None = None  # made by the first save_async (imports torch)
+        self._saver_lock = threading.Lock()
 
     def close(self) -> None:
+        """Wait for the :meth:`save_async` upload in flight, then free the staging buffers
+        and the idle connections.
+
+        Never raises a save's error: that is on the save's future (use :meth:`wait` to have
+        it raised). The client stays usable: later calls open new connections.
+        """
+        if self._saver is not None:
+            self._saver.close()
         self._pool.close()
 
     def __enter__(self) -> CheckpointClient:
@@ -151,30 +174,53 @@ class CheckpointClient:
         self, run: str, step: int, state: object, *, progress: bool | None = None
     ) -> CheckpointInfo:
         """Store ``state`` (a nested state dict) as checkpoint ``step`` of ``run``."""
-        from ckptstore.state import dtype_to_wire, flatten, tensor_bytes, upload_order
+        from ckptstore.state import flatten
 
-        flat = flatten(state)
-        ordered = upload_order(flat.tensors)
-        specs = [(name, dtype_to_wire(t.dtype), tuple(t.shape)) for name, t in ordered]
-        prefix, header = encode_header(specs, {"format": FORMAT, "skeleton": flat.skeleton})
-        show = self.progress if progress is None else progress
+        return self._upload(run, step, flatten(state), progress)
 
-        def body() -> Iterator[memoryview | bytes]:
-            yield prefix
-            for _, tensor in ordered:
-                data = tensor_bytes(tensor)
-                for off in range(0, len(data), _PIECE):
-                    yield data[off : off + _PIECE]
+    def save_async(
+        self, run: str, step: int, state: object, *, progress: bool | None = None
+    ) -> Future[CheckpointInfo]:
+        """Start saving ``state`` as checkpoint ``step`` of ``run``; return once it is copied.
 
-        def attempt() -> CheckpointInfo:
-            bar = _Progress(show, header.total_len, f"save {run}/{step}")
-            try:
-                payload = self._post(self._path(run, step), body(), header.total_len, bar.update)
-            finally:
-                bar.close()
-            return CheckpointInfo.from_json(payload)
+        The state's tensors are copied into host buffers that this client keeps and reuses
+        from one save to the next (same name, dtype and shape: no new allocation), and its
+        non-tensor leaves are serialised, before this returns; the upload then runs in a
+        background thread. So the caller may change the state in place (``optimizer.step()``)
+        as soon as this returns: the checkpoint holds the state as it was at the call, and
+        it is byte-identical to what :meth:`save` of that state stores.
 
-        return self._retry(attempt)
+        One save is in flight per client: a call made while the previous upload is still
+        running first waits for it to finish. Errors never raise here (apart from a
+        ``KeyboardInterrupt`` while waiting or copying): a state that cannot be flattened, a
+        service still down after ``retries`` (:class:`~ckptstore_core.errors.ServiceUnavailable`),
+        a conflicting step -- each is set on the returned future and logged as a warning on
+        the ``ckptstore`` logger. The buffers hold one host copy of the state's tensors until
+        :meth:`close`.
+
+        Before the process ends, call :meth:`wait` (raises the last save's error) or
+        :meth:`close` (waits, raises nothing), or leave the client's ``with`` block. As a
+        safety net, interpreter exit also waits for an upload in flight; a killed process
+        loses it (and, the commit being atomic, leaves nothing partial behind).
+        """
+        saver = self._saver
+        if saver is None:
+            from ckptstore.staging import AsyncSaver
+
+            with self._saver_lock:
+                if self._saver is None:
+                    self._saver = AsyncSaver(self._upload)
+                saver = self._saver
+        return saver.submit(run, step, state, progress)
+
+    def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
+        """Wait for the last :meth:`save_async` to finish and return its checkpoint.
+
+        ``None`` if this client never called :meth:`save_async`. Raises that save's error
+        (earlier saves' outcomes stay on their own futures), or ``TimeoutError`` if
+        ``timeout`` seconds pass first (the upload goes on).
+        """
+        return None if self._saver is None else self._saver.wait(timeout)
 
     def load(
         self,
@@ -220,6 +266,35 @@ class CheckpointClient:
         return [RunInfo.from_json(r) for r in obj["runs"]]
 
     # -- plumbing ---------------------------------------------------------------------------
+
+    def _upload(
+        self, run: str, step: int, flat: FlatState, progress: bool | None
+    ) -> CheckpointInfo:
+        """The one save path (``save`` and ``save_async``): stream the flattened state,
+        retrying as configured."""
+        from ckptstore.state import dtype_to_wire, tensor_bytes, upload_order
+
+        ordered = upload_order(flat.tensors)
+        specs = [(name, dtype_to_wire(t.dtype), tuple(t.shape)) for name, t in ordered]
+        prefix, header = encode_header(specs, {"format": FORMAT, "skeleton": flat.skeleton})
+        show = self.progress if progress is None else progress
+
+        def body() -> Iterator[memoryview | bytes]:
+            yield prefix
+            for _, tensor in ordered:
+                data = tensor_bytes(tensor)
+                for off in range(0, len(data), _PIECE):
+                    yield data[off : off + _PIECE]
+
+        def attempt() -> CheckpointInfo:
+            bar = _Progress(show, header.total_len, f"save {run}/{step}")
+            try:
+                payload = self._post(self._path(run, step), body(), header.total_len, bar.update)
+            finally:
+                bar.close()
+            return CheckpointInfo.from_json(payload)
+
+        return self._retry(attempt)
 
     def _fetch(
         self, run: str, step: int | str, prefix: str | None, map_location: Any, show: bool
