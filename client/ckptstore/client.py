@@ -43,6 +43,7 @@ from ckptstore_core.errors import (
     StorageUnavailable,
     error_from_code,
 )
+from ckptstore_core.names import check_run_name
 from ckptstore_core.records import CheckpointInfo, RunInfo
 from ckptstore_core.wire import FORMAT, Header, StreamParser, encode_header
 
@@ -174,6 +175,7 @@ class CheckpointClient:
         self, run: str, step: int, state: object, *, progress: bool | None = None
     ) -> CheckpointInfo:
         """Store ``state`` (a nested state dict) as checkpoint ``step`` of ``run``."""
+        check_run_name(run)  # before the state is flattened
         from ckptstore.state import flatten
 
         return self._upload(run, step, flatten(state), progress)
@@ -257,7 +259,8 @@ class CheckpointClient:
 
     def list(self, run: str) -> builtins.list[CheckpointInfo]:
         """The committed checkpoints of ``run``, by step."""
-        obj = self._retry(lambda: self._get_json(f"/v1/runs/{quote(run, safe='')}/checkpoints"))
+        path = f"/v1/runs/{quote(check_run_name(run), safe='')}/checkpoints"
+        obj = self._retry(lambda: self._get_json(path))
         return [CheckpointInfo.from_json(c) for c in obj["checkpoints"]]
 
     def runs(self) -> builtins.list[RunInfo]:
@@ -317,7 +320,10 @@ class CheckpointClient:
 
     @staticmethod
     def _path(run: str, step: int | str) -> str:
-        return f"/v1/runs/{quote(run, safe='')}/checkpoints/{quote(str(step), safe='')}"
+        """The checkpoint's path; InvalidRequest for a run name the service would refuse
+        (the same rule), before anything is sent."""
+        quoted = quote(check_run_name(run), safe="")
+        return f"/v1/runs/{quoted}/checkpoints/{quote(str(step), safe='')}"
 
     def _request(
         self,

@@ -39,6 +39,7 @@ __all__ = [
     "StorageUnavailable",
     "UnsupportedDtype",
     "error_from_code",
+    "error_types",
 ]
 
 
@@ -57,58 +58,82 @@ class CkptStoreError(Exception):
 
 
 class InvalidRequest(CkptStoreError):
+    """Bad run name, bad step, bad query or header."""
+
     code = "invalid_request"
     status = 400
 
 
 class InvalidStream(CkptStoreError):
+    """The body is not a valid safetensors stream (malformed, truncated, not safetensors)."""
+
     code = "invalid_stream"
     status = 400
 
 
 class UnsupportedDtype(InvalidStream):
+    """A tensor's dtype is none of those the wire format carries (wire.DTYPE_SIZES)."""
+
     code = "unsupported_dtype"
 
 
 class NotFound(CkptStoreError):
+    """No such route."""
+
     code = "not_found"
     status = 404
 
 
 class RunNotFound(NotFound):
+    """The run has no committed checkpoint."""
+
     code = "run_not_found"
 
 
 class CheckpointNotFound(NotFound):
+    """The run has no committed checkpoint of that step."""
+
     code = "checkpoint_not_found"
 
 
 class CheckpointExists(CkptStoreError):
+    """The step is stored already, with different content."""
+
     code = "checkpoint_exists"
     status = 409
 
 
 class PayloadTooLarge(CkptStoreError):
+    """The header or the whole checkpoint is over the service's limits."""
+
     code = "payload_too_large"
     status = 413
 
 
 class CorruptData(CkptStoreError):
+    """Stored data failed its checksum or structure checks on read."""
+
     code = "corrupt_data"
     status = 500
 
 
 class InternalError(CkptStoreError):
+    """A bug: an error nothing translated."""
+
     code = "internal_error"
     status = 500
 
 
 class StorageUnavailable(CkptStoreError):
+    """The blob store or the database cannot be reached."""
+
     code = "storage_unavailable"
     status = 503
 
 
 class ServiceUnavailable(CkptStoreError):
+    """Client side: the service cannot be reached (after retries)."""
+
     code = "service_unavailable"
     status = 503
 
@@ -121,7 +146,13 @@ def _all_subclasses(cls: type[CkptStoreError]) -> list[type[CkptStoreError]]:
     return out
 
 
-_BY_CODE = {cls.code: cls for cls in _all_subclasses(CkptStoreError)}
+def error_types() -> list[type[CkptStoreError]]:
+    """Every error class below :class:`CkptStoreError` defined so far, parents first: this
+    tree, plus any a later import adds (the service's storage layer defines one)."""
+    return _all_subclasses(CkptStoreError)
+
+
+_BY_CODE = {cls.code: cls for cls in error_types()}
 
 
 def error_from_code(code: str, message: str, status: int) -> CkptStoreError:

@@ -9,6 +9,10 @@ The header maps each tensor name to ``{"dtype", "shape", "data_offsets": [begin,
 map holding ``"format": "ckptstore/1"`` and ``"skeleton"`` (the tagged JSON of the nested
 state). Tensors are laid out back to back in header order, no gaps, no overlap.
 
+As in safetensors, the header must start with ``{``. A body that starts like another format
+(a zip archive, as ``torch.save`` writes, or a pickle) is refused as such, not as a header of
+absurd length, so whoever posted a ``torch.save`` file learns what went wrong.
+
 ``encode_header`` computes a header from dtypes and shapes before any data exists, so a writer
 can stream; ``StreamParser`` is a push parser (sans-IO): feed it bytes as they arrive and it
 hands back validated pieces of tensor data, so the same code serves the sync client and the
@@ -60,6 +64,28 @@ DTYPE_SIZES: Mapping[str, int] = {
 
 _MAX_DIMS = 64
 _MAX_INT = 2**63 - 1  # sizes and offsets are int64 in torch and in the catalog
+
+#: What other files start with, for the error a body of that format gets. Looked up only once
+#: a stream has failed (its length prefix over the limit, or its header not starting with
+#: ``{``), so a signature never turns away a valid stream, and a genuine safetensors header
+#: that is merely too long stays a PayloadTooLarge.
+_FOREIGN_FORMATS: Sequence[tuple[bytes, str]] = (
+    (b"PK\x03\x04", "a torch.save file (a zip archive)"),
+    *(
+        (
+            bytes([0x80, protocol]),
+            f"a pickle (protocol {protocol}), as legacy torch.save and pickle.dump write",
+        )
+        for protocol in range(2, 6)
+    ),
+    (b"\x1f\x8b", "a gzip-compressed file"),
+    (b"\x28\xb5\x2f\xfd", "a zstd-compressed file"),
+    (b"\x93NUMPY", "a NumPy .npy file"),
+)
+_EXPECTED = (
+    "ckptstore takes safetensors streams (a u64 little-endian header length, a JSON header, "
+    "tensor bytes), such as CheckpointClient.save sends"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +162,16 @@ def _as_int(value: object, what: str) -> int:
     if type(value) is not int or not 0 <= value <= _MAX_INT:
         raise InvalidStream(f"{what} must be an integer from 0 to 2**63-1, got {value!r}")
     return value
+
+
+def _foreign_format(start: bytes) -> InvalidStream | None:
+    """The error for a body that starts like another format's file, if it does."""
+    for magic, what in _FOREIGN_FORMATS:
+        if start.startswith(magic):
+            return InvalidStream(
+                f"the body is not a safetensors stream: it looks like {what}; {_EXPECTED}"
+            )
+    return None
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -221,6 +257,7 @@ class StreamParser:
         self._max_total = max_total_bytes
         self._buf = bytearray()  # only holds the length prefix and the header
         self._header_len: int | None = None
+        self._prefix = b""  # the length prefix, for the error if the header is no JSON object
         self.header: Header | None = None
         self._pos = 0  # bytes of tensor data consumed
         self._tensor = 0  # index of the tensor being filled
@@ -267,16 +304,23 @@ class StreamParser:
                 return view
             (n,) = struct.unpack("<Q", self._buf)
             if n > self._max_header:
-                raise PayloadTooLarge(
+                raise _foreign_format(bytes(self._buf)) or PayloadTooLarge(
                     f"header length {n} exceeds the limit of {self._max_header} bytes"
                 )
             if n < 2:
                 raise InvalidStream(f"header length {n} is too small for a JSON object")
             self._header_len = n
+            self._prefix = bytes(self._buf)
             self._buf.clear()
         need = self._header_len - len(self._buf)
+        fresh = not self._buf
         self._buf += view[:need]
         view = view[need:]
+        if fresh and self._buf and self._buf[0] != 0x7B:  # fail fast, not after N bytes
+            raise _foreign_format(self._prefix + self._buf[:8]) or InvalidStream(
+                f"the body is not a safetensors stream: its header must be a JSON object, "
+                f"starting with '{{', not {bytes(self._buf[:1])!r}; {_EXPECTED}"
+            )
         if len(self._buf) < self._header_len:
             return view
         header = _parse_header_json(bytes(self._buf), 8 + self._header_len)

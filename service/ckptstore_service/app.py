@@ -1,4 +1,9 @@
-"""The FastAPI application factory."""
+"""The FastAPI application factory.
+
+``/docs`` (Swagger UI) and ``/redoc`` are served with their scripts and styles from the
+``fastapi-offline`` package, under ``/docs/static``, so they work without internet access
+(FastAPI's own pages load them from a CDN).
+"""
 
 from __future__ import annotations
 
@@ -10,11 +15,12 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ckptstore_core.errors import CkptStoreError, InternalError, InvalidRequest, NotFound
-from ckptstore_service.api.routes import router
+from ckptstore_core.errors import CkptStoreError, InternalError, InvalidRequest
+from ckptstore_service.api.routes import router, unrouted
 from ckptstore_service.reroot import Maintenance
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
@@ -44,7 +50,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await run_in_threadpool(app.state.maintenance.close)
             await run_in_threadpool(runtime.close)
 
-    app = FastAPI(title="ckptstore", version="0.1.0", lifespan=lifespan)
+    app = FastAPIOffline(
+        title="ckptstore",
+        version="0.1.0",
+        summary="Stores training checkpoints as residual delta chains; loads them bit-exact.",
+        lifespan=lifespan,
+        static_url="/docs/static",
+        # Swagger UI would fetch a validity badge from swagger.io
+        swagger_ui_parameters={"validatorUrl": None},
+    )
     app.include_router(router)
 
     @app.exception_handler(CkptStoreError)
@@ -54,12 +68,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return _error(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err: CkptStoreError = (
-            NotFound(f"no such resource: {exc.detail}")
-            if exc.status_code == 404
-            else InvalidRequest(str(exc.detail))
-        )
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:  # no route took it
+            path: str = request.scope["path"]
+            return _error(unrouted(path.removeprefix(request.scope.get("root_path", ""))))
+        err = InvalidRequest(str(exc.detail))
         err.status = exc.status_code
         return _error(err)
 

@@ -1,27 +1,19 @@
 """Names the service accepts and makes: run names, steps in paths, blob keys.
 
-One place for each rule, so the routes, the save path and maintenance agree on them.
+One place for each rule, so the routes, the save path and maintenance agree on them. The
+run-name rule itself lives in :mod:`ckptstore_core.names`, which the client checks too.
 """
 
 from __future__ import annotations
 
-import re
 import uuid
 
 from ckptstore_core.errors import InvalidRequest
+from ckptstore_core.names import RUN_NAME_RULE, check_run_name
 
 __all__ = ["MAX_STEP", "RUN_NAME_RULE", "blob_key", "check_run_name", "parse_step"]
 
-_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-RUN_NAME_RULE = "use 1-128 of A-Z a-z 0-9 . _ - starting with a letter or digit"
 MAX_STEP = (1 << 63) - 1
-
-
-def check_run_name(run: str) -> str:
-    """``run`` if it is a valid run name, else InvalidRequest naming the rule."""
-    if not _RUN_NAME.fullmatch(run):
-        raise InvalidRequest(f"invalid run name {run!r}: {RUN_NAME_RULE}")
-    return run
 
 
 def parse_step(step: str, *, allow_latest: bool = False) -> int | None:

@@ -299,10 +299,10 @@ class BadPath:
 BAD_PATHS = {
     # run names
     "run-dotdot-slash": BadPath(
-        "/v1/runs/%2E%2E%2Fx/checkpoints/1", 404, "not_found", ("x", "../x")
+        "/v1/runs/%2E%2E%2Fx/checkpoints/1", 400, "invalid_request", ("x", "../x")
     ),
     "run-dotdot": BadPath("/v1/runs/%2E%2E/checkpoints/1", 400, "invalid_request", ("..",)),
-    "run-slash": BadPath("/v1/runs/a%2Fb/checkpoints/1", 404, "not_found", ("a", "b", "a/b")),
+    "run-slash": BadPath("/v1/runs/a%2Fb/checkpoints/1", 400, "invalid_request", ("a", "b", "a/b")),
     "run-space": BadPath("/v1/runs/a%20b/checkpoints/1", 400, "invalid_request", ("a b", "a")),
     "run-leading-dash": BadPath(
         "/v1/runs/-start/checkpoints/1", 400, "invalid_request", ("-start",)
@@ -315,7 +315,7 @@ BAD_PATHS = {
     ),
     "run-non-ascii": BadPath("/v1/runs/caf%C3%A9/checkpoints/1", 400, "invalid_request", ("café",)),
     "run-nul": BadPath("/v1/runs/x%00/checkpoints/1", 400, "invalid_request", ("x\x00", "x")),
-    "run-empty": BadPath("/v1/runs//checkpoints/1", 404, "not_found", ("",)),
+    "run-empty": BadPath("/v1/runs//checkpoints/1", 400, "invalid_request", ("",)),
     # steps
     "step-negative": BadPath(
         "/v1/runs/step-neg/checkpoints/-1", 400, "invalid_request", ("step-neg",)

@@ -5,25 +5,47 @@ from __future__ import annotations
 from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Path, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from ckptstore_core.errors import InvalidRequest
+from ckptstore_core.errors import (
+    CheckpointExists,
+    CheckpointNotFound,
+    CkptStoreError,
+    CorruptData,
+    InvalidRequest,
+    InvalidStream,
+    NotFound,
+    PayloadTooLarge,
+    RunNotFound,
+    StorageUnavailable,
+)
 from ckptstore_core.records import CheckpointInfo
 from ckptstore_service.api.body import BodyPipe, drain, pump, receive_body
 from ckptstore_service.api.deps import MaintenanceDep, RuntimeDep, UploadLimiterDep
+from ckptstore_service.api.openapi import CHECKPOINT_STREAM, SAFETENSORS_BODY, error_responses
 from ckptstore_service.api.schemas import CheckpointsOut, RunsOut
-from ckptstore_service.ingest import ingest
-from ckptstore_service.names import check_run_name, parse_step
-from ckptstore_service.restore import open_restore
+from ckptstore_service.names import RUN_NAME_RULE, check_run_name, parse_step
+from ckptstore_service.storage.base import BlobNotFound
 
-__all__ = ["router"]
+__all__ = ["router", "unrouted"]
 
 router = APIRouter()
 
+# The run is a ``:path`` parameter: a name with a ``/`` (the client sends ``team%2Fexp1``,
+# which the server decodes before routing) still reaches its route, which refuses it by the
+# run-name rule (400 invalid_request) rather than as an unknown route (404). Valid names
+# hold no ``/``, so this routes every valid request as before.
+Run = Annotated[str, Path(description=f"The run's name: {RUN_NAME_RULE}")]
+_RUN_CHECKPOINTS = "/v1/runs/{run:path}/checkpoints"
+_READ_ERRORS = (CorruptData, BlobNotFound, StorageUnavailable)  # reading stored chunks
+_LOAD_ERRORS = (InvalidRequest, RunNotFound, CheckpointNotFound, *_READ_ERRORS)
+# a save reads its parent's chunks when the base cache misses
+_SAVE_ERRORS = (InvalidRequest, InvalidStream, CheckpointExists, PayloadTooLarge, *_READ_ERRORS)
 
-@router.get("/healthz")
+
+@router.get("/healthz", responses=error_responses(StorageUnavailable))
 async def healthz(rt: RuntimeDep, maintenance: MaintenanceDep) -> dict[str, str | int]:
     """Up, with the database reachable; ``maintenance``: runs whose re-root pass (which
     also collects their replaced blobs) waits out its quiet time or runs; the periodic sweep
@@ -32,29 +54,45 @@ async def healthz(rt: RuntimeDep, maintenance: MaintenanceDep) -> dict[str, str 
     return {"status": "ok", "maintenance": maintenance.pending}
 
 
-@router.get("/v1/runs")
+@router.get("/v1/runs", responses=error_responses(StorageUnavailable))
 async def list_runs(rt: RuntimeDep) -> RunsOut:
+    """Every run with at least one committed checkpoint."""
     runs = await run_in_threadpool(rt.catalog.list_runs)
     return RunsOut(runs=runs)
 
 
-@router.get("/v1/runs/{run}/checkpoints")
-async def list_checkpoints(run: str, rt: RuntimeDep) -> CheckpointsOut:
+@router.get(
+    _RUN_CHECKPOINTS, responses=error_responses(InvalidRequest, RunNotFound, StorageUnavailable)
+)
+async def list_checkpoints(run: Run, rt: RuntimeDep) -> CheckpointsOut:
+    """The run's committed checkpoints, by step."""
     check_run_name(run)
     infos = await run_in_threadpool(rt.catalog.list_checkpoints, run)
     return CheckpointsOut(run=run, checkpoints=[CheckpointInfo.of(i) for i in infos])
 
 
-@router.get("/v1/runs/{run}/checkpoints/{step}", response_model=None)
+@router.get(
+    _RUN_CHECKPOINTS + "/{step}",
+    response_model=None,
+    response_class=Response,  # documents no JSON body; the 200 is CHECKPOINT_STREAM
+    responses={200: CHECKPOINT_STREAM, **error_responses(*_LOAD_ERRORS)},
+)
 async def load_checkpoint(
-    run: str,
-    step: str,
+    run: Run,
+    step: Annotated[str, Path(description="A step (a non-negative integer) or `latest`")],
     rt: RuntimeDep,
-    prefix: Annotated[str | None, Query(max_length=4096)] = None,
+    prefix: Annotated[
+        str | None,
+        Query(
+            max_length=4096,
+            description="Only the tensors whose flattened name starts with this (`model/`)",
+        ),
+    ] = None,
 ) -> StreamingResponse:
+    """Checkpoint `step` of the run (`latest`: the newest), as a safetensors stream."""
     check_run_name(run)
     step_n = parse_step(step, allow_latest=True)
-    restore = await run_in_threadpool(open_restore, rt, run, step_n, prefix)
+    restore = await run_in_threadpool(rt.loader.open, run, step_n, prefix)
     return StreamingResponse(
         restore.body,
         media_type="application/octet-stream",
@@ -65,15 +103,30 @@ async def load_checkpoint(
     )
 
 
-@router.post("/v1/runs/{run}/checkpoints/{step}", status_code=201, response_model=CheckpointInfo)
+@router.post(
+    _RUN_CHECKPOINTS + "/{step}",
+    status_code=201,
+    response_model=CheckpointInfo,
+    response_description="Stored: the new checkpoint",
+    responses={
+        200: {
+            "model": CheckpointInfo,
+            "description": "Stored already, with the same content: nothing changed",
+        },
+        **error_responses(*_SAVE_ERRORS),
+    },
+    openapi_extra=SAFETENSORS_BODY,
+)
 async def save_checkpoint(
-    run: str,
-    step: str,
+    run: Run,
+    step: Annotated[str, Path(description="The step: a non-negative integer")],
     request: Request,
     rt: RuntimeDep,
     uploads: UploadLimiterDep,
     maintenance: MaintenanceDep,
 ) -> JSONResponse:
+    """Store the body, a safetensors stream, as checkpoint `step` of the run: visible once
+    every byte is durable. A retry of the same step with the same content is a 200."""
     check_run_name(run)
     step_n = parse_step(step)
     assert step_n is not None
@@ -84,7 +137,7 @@ async def save_checkpoint(
 
     def consume() -> None:
         try:
-            outcome.append(ingest(rt, run, step_n, pipe, content_length))
+            outcome.append(rt.saver.ingest(run, step_n, pipe, content_length))
         except BaseException as exc:
             failure.append(exc)
         finally:
@@ -116,3 +169,14 @@ def _content_length(request: Request) -> int | None:
     if not value.isascii() or not value.isdigit() or len(value) > 19:
         raise InvalidRequest(f"invalid Content-Length {value!r}")
     return int(value)
+
+
+def unrouted(path: str) -> CkptStoreError:
+    """The error for a request that no route took: under ``/v1/runs/``, a first segment that
+    is no run name breaks the run-name rule (InvalidRequest); anything else is NotFound."""
+    if path.startswith("/v1/runs/"):
+        try:
+            check_run_name(path.removeprefix("/v1/runs/").partition("/")[0])
+        except InvalidRequest as exc:
+            return exc
+    return NotFound(f"no such resource: {path}")

@@ -1,19 +1,41 @@
-"""The JSON envelopes of the API's listings; the records inside are the core's own
-(:mod:`ckptstore_core.records`), the very classes the client parses them into."""
+"""The JSON bodies of the API: the listings' envelopes and the one error body.
+
+The records inside the listings are the core's own (:mod:`ckptstore_core.records`), the very
+classes the client parses them into. :class:`ErrorBody` is what
+:meth:`ckptstore_core.errors.CkptStoreError.to_json` writes, for every error of any route.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
+from ckptstore_core.names import RUN_NAME_RULE
 from ckptstore_core.records import CheckpointInfo, RunInfo
 
-__all__ = ["CheckpointsOut", "RunsOut"]
+__all__ = ["CheckpointsOut", "ErrorBody", "ErrorDetail", "RunsOut"]
 
 
 class CheckpointsOut(BaseModel):
     run: str
-    checkpoints: list[CheckpointInfo]
+    checkpoints: list[CheckpointInfo] = Field(description="The committed checkpoints, by step")
 
 
 class RunsOut(BaseModel):
-    runs: list[RunInfo]
+    runs: list[RunInfo] = Field(description="Every run with at least one committed checkpoint")
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(
+        description="Stable and machine-readable; each response lists the codes of its status",
+        examples=["invalid_request"],
+    )
+    message: str = Field(
+        description="For people: what was wrong",
+        examples=[f"invalid run name 'team/exp1': {RUN_NAME_RULE}"],
+    )
+
+
+class ErrorBody(BaseModel):
+    """Every error the service answers, whatever the route and status."""
+
+    error: ErrorDetail
