@@ -1,0 +1,159 @@
+"""Runs and their committed checkpoints: look-ups and listings.
+
+Only ``committed`` rows are ever returned: an upload in progress (a ``writing`` row, see
+:mod:`.uploads`) is invisible here, as a parent, as ``latest`` and in every listing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy import func, insert, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import aliased
+
+from ckptstore_core.errors import CheckpointNotFound, RunNotFound
+from ckptstore_core.records import RunInfo
+from ckptstore_service.catalog.db import Database, utc
+from ckptstore_service.catalog.models import COMMITTED, Checkpoint, Run
+from ckptstore_service.catalog.records import CheckpointRecord
+
+__all__ = [
+    "ensure_run",
+    "find",
+    "get",
+    "list_checkpoints",
+    "list_runs",
+    "parent_of",
+    "run_exists",
+]
+
+
+def ensure_run(db: Database, name: str) -> int:
+    """The id of run ``name``, created if it has none yet (safe against a replica creating
+    it at the same time)."""
+    with db.session() as s:
+        run_id = s.scalar(select(Run.id).where(Run.name == name))
+        if run_id is not None:
+            return run_id
+    try:
+        with db.session() as s:
+            return int(s.execute(insert(Run).values(name=name).returning(Run.id)).scalar_one())
+    except IntegrityError:  # another replica created it first
+        with db.session() as s:
+            return int(s.execute(select(Run.id).where(Run.name == name)).scalar_one())
+
+
+def _info_query() -> Any:
+    parent = aliased(Checkpoint)
+    return (
+        select(Checkpoint, Run.name, parent.step)
+        .join(Run, Run.id == Checkpoint.run_id)
+        .outerjoin(parent, parent.id == Checkpoint.parent_id)
+        .where(Checkpoint.status == COMMITTED)
+    )
+
+
+def _info(row: Any) -> CheckpointRecord:
+    ck, run, parent_step = row
+    return CheckpointRecord(
+        id=ck.id,
+        run=run,
+        step=ck.step,
+        parent_step=parent_step,
+        keyframe=ck.keyframe,
+        chain_depth=ck.chain_depth,
+        since_keyframe=ck.since_keyframe,
+        raw_bytes=ck.raw_bytes,
+        stored_bytes=ck.stored_bytes,
+        tensors=ck.n_tensors,
+        blob_key=ck.blob_key,
+        metadata=json.loads(ck.metadata_json),
+        created=utc(ck.created_at),
+    )
+
+
+def _first(db: Database, query: Any) -> CheckpointRecord | None:
+    with db.session() as s:
+        row = s.execute(query).first()
+    return None if row is None else _info(row)
+
+
+def find(db: Database, run: str, step: int | None) -> CheckpointRecord | None:
+    """The committed checkpoint ``step`` of ``run`` (None: the latest), or None."""
+    query = _info_query().where(Run.name == run)
+    query = (
+        query.order_by(Checkpoint.step.desc()).limit(1)
+        if step is None
+        else query.where(Checkpoint.step == step)
+    )
+    return _first(db, query)
+
+
+def get(db: Database, run: str, step: int | None) -> CheckpointRecord:
+    """Like :func:`find` but raises RunNotFound / CheckpointNotFound."""
+    info = find(db, run, step)
+    if info is not None:
+        return info
+    if not run_exists(db, run):
+        raise RunNotFound(f"run {run!r} has no checkpoints")
+    what = "no checkpoints" if step is None else f"no checkpoint at step {step}"
+    raise CheckpointNotFound(f"run {run!r} has {what}")
+
+
+def run_exists(db: Database, run: str) -> bool:
+    """Whether ``run`` has a committed checkpoint."""
+    query = (
+        select(func.count())
+        .select_from(Checkpoint)
+        .join(Run, Run.id == Checkpoint.run_id)
+        .where(Run.name == run, Checkpoint.status == COMMITTED)
+    )
+    with db.session() as s:
+        return bool(s.scalar(query))
+
+
+def parent_of(db: Database, run: str, step: int) -> CheckpointRecord | None:
+    """The committed checkpoint of ``run`` with the greatest step below ``step``."""
+    query = (
+        _info_query()
+        .where(Run.name == run, Checkpoint.step < step)
+        .order_by(Checkpoint.step.desc())
+        .limit(1)
+    )
+    return _first(db, query)
+
+
+def list_checkpoints(db: Database, run: str) -> list[CheckpointRecord]:
+    """The run's committed checkpoints by step; RunNotFound if it has none."""
+    query = _info_query().where(Run.name == run).order_by(Checkpoint.step)
+    with db.session() as s:
+        rows = s.execute(query).all()
+    if not rows and not run_exists(db, run):
+        raise RunNotFound(f"run {run!r} has no checkpoints")
+    return [_info(r) for r in rows]
+
+
+def list_runs(db: Database) -> list[RunInfo]:
+    """Every run with a committed checkpoint, by name, its checkpoints summed."""
+    query = (
+        select(
+            Run.name,
+            func.count(Checkpoint.id),
+            func.max(Checkpoint.step),
+            func.sum(Checkpoint.raw_bytes),
+            func.sum(Checkpoint.stored_bytes),
+            Run.created_at,
+        )
+        .join(Checkpoint, Checkpoint.run_id == Run.id)
+        .where(Checkpoint.status == COMMITTED)
+        .group_by(Run.id, Run.name, Run.created_at)
+        .order_by(Run.name)
+    )
+    with db.session() as s:
+        rows = s.execute(query).all()
+    return [
+        RunInfo(name, int(n), int(latest), int(raw), int(stored), utc(created))
+        for name, n, latest, raw, stored, created in rows
+    ]

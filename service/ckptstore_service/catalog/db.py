@@ -1,0 +1,133 @@
+"""The catalog's database: engine, short transactions, schema migrations, error translation.
+
+Everything here is backend plumbing: which engine options and pragmas each backend gets, how
+a lost connection becomes :class:`StorageUnavailable`, and how the schema is brought up to
+date. The other catalog modules take a :class:`Database` and open their own short sessions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, make_url, text
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from ckptstore_core.errors import StorageUnavailable
+
+__all__ = ["Database", "shown_url", "translate_errors", "utc"]
+
+_MIGRATION_LOCK = 0x636B7074  # "ckpt"
+
+
+def shown_url(url: str) -> str:
+    """``url`` as it may be shown in an error: without its password."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # a URL SQLAlchemy cannot parse holds no password it could hide
+        return url.split("@")[-1] if "@" in url else url
+
+
+def utc(value: datetime) -> datetime:
+    """``value`` as an aware UTC datetime."""
+    # SQLite hands back naive datetimes even for timezone-aware columns.
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+@contextlib.contextmanager
+def translate_errors() -> Iterator[None]:
+    """Turn a lost or refused database connection into StorageUnavailable (a 503); any
+    other database error (constraint violations included) passes unchanged."""
+    try:
+        yield
+    except IntegrityError:
+        raise
+    except DBAPIError as exc:
+        if exc.connection_invalidated or _is_connection_error(exc):
+            raise StorageUnavailable(f"database unavailable: {exc.orig}") from exc
+        raise
+
+
+class Database:
+    """One catalog database (a SQLAlchemy URL): its engine and its transactions.
+
+    Every :meth:`session` is one transaction, committed when its block ends and rolled back
+    if it raises: callers hold none across a long upload.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.is_postgres = url.startswith("postgresql")
+        is_sqlite = url.startswith("sqlite")
+        kwargs: dict[str, Any] = {"pool_pre_ping": True}
+        if is_sqlite:
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 60}
+        else:
+            kwargs.update(pool_size=10, max_overflow=20)
+        try:
+            self.engine: Engine = create_engine(url, **kwargs)
+        except Exception as exc:  # a bad URL or a missing driver
+            raise ValueError(f"cannot use database URL {shown_url(url)!r}: {exc}") from exc
+        if is_sqlite:
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        database = make_url(url).database if is_sqlite else None
+        #: the SQLite file, None for PostgreSQL or an in-memory database
+        self.sqlite_file = Path(database) if database and database != ":memory:" else None
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[Session]:
+        """One transaction: committed when the block ends, rolled back if it raises."""
+        with translate_errors(), self._sessions.begin() as session:
+            yield session
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def ping(self) -> None:
+        with self.session() as s:
+            s.execute(text("SELECT 1"))
+
+    def upgrade(self) -> None:
+        """Bring the schema to the newest Alembic revision (idempotent).
+
+        On PostgreSQL an advisory lock keeps replicas that start together from migrating
+        at the same time.
+        """
+        from alembic import command
+        from alembic.config import Config
+
+        config = Config()
+        config.set_main_option("script_location", str(Path(__file__).with_name("migrations")))
+        with translate_errors(), self.engine.begin() as conn:
+            if self.is_postgres:
+                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _MIGRATION_LOCK})
+            config.attributes["connection"] = conn
+            command.upgrade(config, "head")
+
+    def revision(self) -> str | None:
+        """The schema's current Alembic revision (None before the first upgrade)."""
+        from alembic.runtime.migration import MigrationContext
+
+        with translate_errors(), self.engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=FULL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA busy_timeout=60000")
+    cur.close()
+
+
+def _is_connection_error(exc: DBAPIError) -> bool:
+    text_ = str(exc.orig).lower()
+    return any(
+        s in text_ for s in ("connection refused", "could not connect", "server closed", "timeout")
+    )

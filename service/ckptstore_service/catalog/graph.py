@@ -1,0 +1,109 @@
+"""The chunk graph: a checkpoint's tensors and chunks, and the chains between chunks.
+
+A chunk's ``base_id`` names the chunk it is a delta, ref or copy of; following base ids
+leads to a self-contained chunk. Rows are built as Core rows, not ORM entities: a checkpoint
+has thousands of them, and building ORM instances cost more than the query.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from typing import Any
+
+from sqlalchemy import select
+
+from ckptstore_core.errors import CorruptData
+from ckptstore_service.catalog.db import Database
+from ckptstore_service.catalog.models import Checkpoint, Chunk, TensorRow
+from ckptstore_service.catalog.records import ChunkInfo, NewChunk, TensorInfo
+
+__all__ = ["chunk_tree", "chunks", "descendants", "tensors"]
+
+_CHUNK_COLUMNS = (*NewChunk.__slots__, "id")
+# how many ids one recursive query starts from (bound parameters per statement are limited)
+_SEED_BATCH = 500
+
+
+def tensors(db: Database, checkpoint_id: int) -> list[TensorInfo]:
+    """The checkpoint's tensors, by index."""
+    query = (
+        select(
+            TensorRow.idx,
+            TensorRow.name,
+            TensorRow.dtype,
+            TensorRow.shape,
+            TensorRow.begin,
+            TensorRow.nbytes,
+            TensorRow.checksum,
+        )
+        .where(TensorRow.checkpoint_id == checkpoint_id)
+        .order_by(TensorRow.idx)
+    )
+    with db.session() as s:
+        rows = s.execute(query).all()
+    return [
+        TensorInfo(idx, name, dtype, tuple(json.loads(shape)), begin, nbytes, digest)
+        for idx, name, dtype, shape, begin, nbytes, digest in rows
+    ]
+
+
+def _chunk_query() -> Any:
+    return select(
+        *(getattr(Chunk, name) for name in _CHUNK_COLUMNS),
+        Checkpoint.blob_key,
+        Chunk.checkpoint_id,
+    ).join(Checkpoint, Checkpoint.id == Chunk.checkpoint_id)
+
+
+def _chunk(row: Any) -> ChunkInfo:
+    return ChunkInfo(*row)
+
+
+def chunks(db: Database, checkpoint_id: int) -> list[ChunkInfo]:
+    """The checkpoint's chunks, in tensor and offset order."""
+    query = (
+        _chunk_query()
+        .where(Chunk.checkpoint_id == checkpoint_id)
+        .order_by(Chunk.tensor_idx, Chunk.offset)
+    )
+    with db.session() as s:
+        return [_chunk(r) for r in s.execute(query).all()]
+
+
+def chunk_tree(db: Database, checkpoint_id: int) -> tuple[list[ChunkInfo], dict[int, ChunkInfo]]:
+    """The checkpoint's chunks (in tensor and offset order) and, by id, those chunks plus
+    every chunk their chains reach. CorruptData if a chain names a chunk that has no row.
+
+    One statement (one recursive query, so one snapshot on SQLite and on PostgreSQL alike):
+    a re-root rewrites the chains of committed chunks (codec, base, blob), and reads on
+    either side of its commit would mix the old shape and the new one. A chain 8 deep
+    also took 8 round trips link by link, 20-35 ms of a cold restore's first byte.
+    """
+    seed = select(Chunk.id, Chunk.base_id).where(Chunk.checkpoint_id == checkpoint_id)
+    reach = seed.cte("reach", recursive=True)
+    reach = reach.union(select(Chunk.id, Chunk.base_id).join(reach, Chunk.id == reach.c.base_id))
+    query = _chunk_query().where(Chunk.id.in_(select(reach.c.id)))
+    with db.session() as s:
+        known = {c.id: c for c in map(_chunk, s.execute(query).all())}
+    own = [c for c in known.values() if c.checkpoint_id == checkpoint_id]
+    lost = {c.base_id for c in known.values() if c.base_id is not None} - known.keys()
+    if lost:
+        raise CorruptData(f"the catalog's chunks name base chunks it has not: {sorted(lost)[:5]}")
+    own.sort(key=lambda c: (c.tensor_idx, c.offset))
+    return own, known
+
+
+def descendants(db: Database, ids: Collection[int]) -> list[ChunkInfo]:
+    """Every chunk whose chain passes through one of the chunks ``ids`` (a delta, ref or
+    copy of one of them, or of such a chunk, and so on), not those chunks themselves."""
+    found: dict[int, ChunkInfo] = {}
+    ordered = sorted(ids)
+    with db.session() as s:
+        for i in range(0, len(ordered), _SEED_BATCH):
+            seed = select(Chunk.id).where(Chunk.base_id.in_(ordered[i : i + _SEED_BATCH]))
+            reach = seed.cte("down", recursive=True)
+            reach = reach.union(select(Chunk.id).join(reach, Chunk.base_id == reach.c.id))
+            query = _chunk_query().where(Chunk.id.in_(select(reach.c.id)))
+            found.update((c.id, c) for c in map(_chunk, s.execute(query).all()))
+    return [c for c in found.values() if c.id not in ids]

@@ -1,0 +1,125 @@
+"""The run-lock contract on each backend (PostgreSQL advisory locks, flock, thread locks),
+what each backend adds to it, and which one a catalog picks."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from lock_contract import REROOT, RUN, RunLocksContract, free
+
+from ckptstore_service.catalog import Catalog
+from ckptstore_service.catalog.locks import (
+    AdvisoryLocks,
+    FileLocks,
+    RunLocks,
+    ThreadLocks,
+    advisory_key,
+)
+
+
+@pytest.mark.postgres
+class TestAdvisoryLocks(RunLocksContract):
+    @pytest.fixture
+    def url(self, pg_url: str) -> str:
+        return pg_url
+
+    @pytest.fixture
+    def locks(self, url: str) -> Iterator[RunLocks]:
+        locks = AdvisoryLocks(url)
+        yield locks
+        locks.close()
+
+    @pytest.fixture
+    def other(self, url: str) -> Iterator[RunLocks]:
+        other = AdvisoryLocks(url)
+        yield other
+        other.close()
+
+    @pytest.fixture(autouse=True)
+    def _remember_url(self, url: str) -> None:
+        self._url = url
+
+    def constructor(self) -> str:
+        return f"AdvisoryLocks({self._url!r})"
+
+
+class TestFileLocks(RunLocksContract):
+    @pytest.fixture
+    def folder(self, tmp_path: Path) -> Path:
+        self._folder = tmp_path / "catalog.sqlite3.locks"
+        return self._folder
+
+    @pytest.fixture
+    def locks(self, folder: Path) -> RunLocks:
+        return FileLocks(folder)
+
+    @pytest.fixture
+    def other(self, folder: Path) -> RunLocks:
+        return FileLocks(folder)
+
+    def constructor(self) -> str:
+        return f"FileLocks(Path({str(self._folder)!r}))"
+
+
+class TestThreadLocks(RunLocksContract):
+    @pytest.fixture
+    def locks(self) -> RunLocks:
+        return ThreadLocks()
+
+
+def test_a_run_lock_keeps_its_advisory_key() -> None:
+    """Replicas of the version before lock purposes took this key for a run's lock: both
+    versions, side by side during an upgrade, still serialize a run's saves."""
+    for run in ("r", "shared", "a" * 128):
+        before = int.from_bytes(
+            hashlib.blake2b(run.encode(), digest_size=8).digest(), "big", signed=True
+        )
+        assert advisory_key(RUN, run) == before
+        assert advisory_key(REROOT, run) != before
+
+
+def test_file_locks_lie_beside_the_database(tmp_path: Path) -> None:
+    locks = FileLocks(tmp_path / "locks")
+    with locks.hold(RUN, "r"), locks.hold(REROOT, "r"):
+        assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.lock")) == [
+            "locks/r.lock",  # where a run's lock always was
+            "locks/reroot/r.lock",
+        ]
+
+
+@pytest.mark.parametrize("run", ["", ".", "..", "a/b", "../r", "r\0"])
+def test_file_locks_refuse_a_name_that_is_no_file_name(tmp_path: Path, run: str) -> None:
+    with pytest.raises(ValueError, match="file name"), FileLocks(tmp_path).hold(RUN, run):
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("url", "kind"),
+    [
+        ("sqlite:///{tmp}/catalog.sqlite3", FileLocks),
+        ("sqlite://", ThreadLocks),
+        ("sqlite:///:memory:", ThreadLocks),
+        pytest.param("postgres", AdvisoryLocks, marks=pytest.mark.postgres),
+    ],
+)
+def test_a_catalog_picks_the_locks_of_its_database(
+    request: pytest.FixtureRequest, tmp_path: Path, url: str, kind: type[RunLocks]
+) -> None:
+    if url == "postgres":
+        url = request.getfixturevalue("pg_url")
+    catalog = Catalog(url.format(tmp=tmp_path))
+    try:
+        assert isinstance(catalog._locks, kind)
+        # the facade's two locks are the two purposes of one run
+        with catalog.run_lock("r") as held:
+            assert held
+            with catalog.reroot_lock("r", blocking=False) as also:
+                assert also
+                assert not free(catalog._locks, RUN, "r")
+                assert not free(catalog._locks, REROOT, "r")
+    finally:
+        catalog.close()
