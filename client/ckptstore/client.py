@@ -238,14 +238,22 @@ class CheckpointClient:
         ``prefix`` fetches only tensors whose flattened name starts with it (``"model/"``):
         the result keeps the nesting down to them and drops everything else.
         ``map_location`` is passed to ``Tensor.to`` (``"cpu"``, ``"cuda:0"``, a device).
+
+        A checkpoint saved through ``torch.distributed.checkpoint`` (:mod:`ckptstore.dcp`)
+        comes back whole: its shards assembled into full tensors, nested as it was saved
+        (``prefix`` then matches DCP's dotted names, ``"model."``).
         """
         from ckptstore.state import referenced_tensors, unflatten
 
         show = self.progress if progress is None else progress
         tensors, metadata, served = self._fetch(run, step, prefix, map_location, show)
         skeleton = metadata.get("skeleton")
-        if skeleton is None:  # a plain safetensors checkpoint: a flat dict
-            return tensors
+        if skeleton is None:  # a plain safetensors checkpoint (a flat dict), or DCP's shards
+            from ckptstore.parts import full_state_if_distributed
+
+            return full_state_if_distributed(
+                self, run, served, tensors, metadata, prefix, map_location
+            )
         if prefix:
             # a tensor under the prefix tied to one outside it travels under the outside
             # name: fetch it by that name, from the step that was served (not a newer latest)

@@ -1,0 +1,802 @@
+"""torch.distributed.checkpoint (DCP) storage for ckptstore: save and load FSDP/HSDP states.
+
+::
+
+    from ckptstore.dcp import CkptStoreWriter, CkptStoreReader
+    dcp.save(state, storage_writer=CkptStoreWriter(URL, "run", step))
+    dcp.load(state, storage_reader=CkptStoreReader(URL, "run"))         # step="latest"
+
+How a checkpoint is stored
+    Every rank uploads its own write items as one *part* of the checkpoint (``rank-{i}``,
+    ``i`` its rank in the process group), streamed tensor by tensor from its shards: no rank
+    holds more than its own items. A shard is the tensor ``{fqn}@{offsets}`` (its global
+    offsets joined by ``,``; ``"model.w@0,64"``), so the same shard of the next save has the
+    same name and the service stores its delta against it; a non-tensor item (DCP's own
+    ``torch.save`` bytes: learning rates, param group lists) travels as a ``U8`` tensor
+    ``{fqn}@bytes``. The coordinator's ``finish`` then commits all parts at once with DCP's
+    :class:`~torch.distributed.checkpoint.metadata.Metadata` as JSON (:func:`metadata_to_json`)
+    in the commit's metadata under ``"dcp"``: no pickle on the wire or at rest. Until the
+    commit nothing is visible; ``latest`` moves with it.
+
+How it is loaded
+    Each rank reads the metadata (``GET .../info``), lets DCP plan which stored shards its
+    own tensors overlap, and fetches exactly those tensors in one ``POST .../select``,
+    copying the overlapping regions into place as each shard arrives. Any world size loads
+    any other's checkpoint. Without a process group, :func:`load_full` (and
+    :meth:`ckptstore.CheckpointClient.load`) assembles the full, unsharded state dict.
+
+``checkpoint_id`` (``dcp.save(..., checkpoint_id=...)``) may be the step (``1000`` or
+``"1000"``) or ``"run/step"``; for the reader also ``"latest"`` and ``"run/latest"``.
+
+Both classes hold only plain configuration (URL, run, step, client options) and open their
+HTTP connections per call, so they pickle (``dcp.async_save``'s process executor sends the
+writer to another process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import os
+import re
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckptstore import parts
+from ckptstore.client import CheckpointClient
+from ckptstore.state import (
+    _DTYPE_TO_NAME,
+    _NAME_TO_DTYPE,
+    dtype_to_wire,
+    tensor_bytes,
+    tensor_from_bytes,
+)
+from ckptstore_core.errors import CorruptData, InvalidRequest, NotFound
+from ckptstore_core.names import check_run_name
+from ckptstore_core.wire import TensorSpec
+
+__all__ = [
+    "METADATA_KEY",
+    "CkptStoreReader",
+    "CkptStoreWriter",
+    "full_state",
+    "load_full",
+    "metadata_from_json",
+    "metadata_to_json",
+    "parse_checkpoint_id",
+    "shard_name",
+]
+
+#: The commit metadata key holding DCP's Metadata as JSON.
+METADATA_KEY = "dcp"
+#: DCP's metadata version, as its FileSystemWriter writes it (torch 2.4+).
+DCP_VERSION = "1.0.0"
+_CODEC_VERSION = 1
+_BYTES_SUFFIX = "@bytes"
+
+
+# ---------------------------------------------------------------------------- names and ids
+
+
+def shard_name(fqn: str, offsets: Sequence[int]) -> str:
+    """The stored tensor of a shard of ``fqn`` starting at ``offsets`` (global element
+    coordinates): ``"{fqn}@{o0,o1,...}"``. A scalar's is ``"{fqn}@"``."""
+    return f"{fqn}@{','.join(str(int(o)) for o in offsets)}"
+
+
+def bytes_name(fqn: str) -> str:
+    """The stored ``U8`` tensor of a non-tensor item: ``"{fqn}@bytes"`` (never a shard's
+    name: those end in digits and commas after their last ``@``)."""
+    return fqn + _BYTES_SUFFIX
+
+
+_STEP = re.compile(r"[0-9]{1,18}")
+
+
+def parse_checkpoint_id(
+    checkpoint_id: object, *, allow_latest: bool = False
+) -> tuple[str | None, int | str]:
+    """``(run or None, step)`` of a ``checkpoint_id``: a step (``12``, ``"12"``),
+    ``"run/step"``, and with ``allow_latest`` also ``"latest"`` / ``"run/latest"``.
+    InvalidRequest for anything else."""
+    if isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool):
+        if checkpoint_id < 0:
+            raise InvalidRequest(f"checkpoint step must be >= 0, got {checkpoint_id}")
+        return None, checkpoint_id
+    if isinstance(checkpoint_id, str | os.PathLike):
+        text = os.fspath(checkpoint_id)
+        if isinstance(text, str):
+            run, _, step = text.rpartition("/")
+            if run:
+                check_run_name(run)
+            if _STEP.fullmatch(step):
+                return run or None, int(step)
+            if allow_latest and step == "latest":
+                return run or None, "latest"
+    want = "a step, 'run/step'" + (", 'latest' or 'run/latest'" if allow_latest else "")
+    raise InvalidRequest(f"checkpoint_id must be {want}; got {checkpoint_id!r}")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+# ------------------------------------------------------------------------ Metadata <-> JSON
+
+_LAYOUTS: Mapping[torch.layout, str] = {
+    torch.strided: "strided",
+    torch.sparse_coo: "sparse_coo",
+    torch.sparse_csr: "sparse_csr",
+    torch.sparse_csc: "sparse_csc",
+    torch.sparse_bsr: "sparse_bsr",
+    torch.sparse_bsc: "sparse_bsc",
+    torch._mkldnn: "mkldnn",  # type: ignore[attr-defined]
+    torch.jagged: "jagged",
+}
+_MEMORY_FORMATS: Mapping[torch.memory_format, str] = {
+    torch.contiguous_format: "contiguous_format",
+    torch.channels_last: "channels_last",
+    torch.channels_last_3d: "channels_last_3d",
+    torch.preserve_format: "preserve_format",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StorageInfo:
+    """Where one write item is stored: tensor ``name`` of part ``part``
+    (``Metadata.storage_data`` maps each item's :class:`MetadataIndex` to one)."""
+
+    part: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class _PartPlan:
+    """``SavePlan.storage_data``: the part a rank uploads (set by the coordinator)."""
+
+    part: str
+
+
+def _ints(value: object, what: str) -> torch.Size:
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise ValueError(f"DCP metadata: {what} must be a list of integers >= 0, got {value!r}")
+    return torch.Size(value)
+
+
+def _str(value: object, what: str, *, optional: bool = False) -> Any:
+    if (value is None and optional) or isinstance(value, str):
+        return value
+    raise ValueError(f"DCP metadata: {what} must be a string, got {value!r}")
+
+
+def _lookup(table: Mapping[Any, str], name: object, what: str) -> Any:
+    for key, value in table.items():
+        if value == name:
+            return key
+    raise ValueError(f"DCP metadata: unknown {what} {name!r}")
+
+
+def _encode_entry(fqn: str, md: object) -> list[object]:
+    if isinstance(md, BytesStorageMetadata):
+        return [fqn, {"t": "bytes"}]
+    if not isinstance(md, TensorStorageMetadata):
+        raise TypeError(f"DCP metadata of {fqn!r} is a {type(md).__name__}: no JSON form")
+    props = md.properties
+    if props.dtype not in _DTYPE_TO_NAME:
+        raise TypeError(f"{fqn!r}: dtype {props.dtype} has no name in ckptstore's table")
+    return [
+        fqn,
+        {
+            "t": "tensor",
+            "dtype": _DTYPE_TO_NAME[props.dtype],
+            "size": list(md.size),
+            "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks],
+            "layout": _LAYOUTS[props.layout],
+            "requires_grad": bool(props.requires_grad),
+            "memory_format": _MEMORY_FORMATS[props.memory_format],
+            "pin_memory": bool(props.pin_memory),
+        },
+    ]
+
+
+def _decode_entry(entry: object) -> tuple[str, TensorStorageMetadata | BytesStorageMetadata]:
+    if not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[1], dict):
+        raise ValueError(f"DCP metadata: bad state_dict entry {entry!r}")
+    fqn = _str(entry[0], "fqn")
+    node = entry[1]
+    if node.get("t") == "bytes":
+        return fqn, BytesStorageMetadata()
+    if node.get("t") != "tensor":
+        raise ValueError(f"DCP metadata: {fqn!r} is neither a tensor nor bytes: {node!r}")
+    chunks = node.get("chunks")
+    if not isinstance(chunks, list):
+        raise ValueError(f"DCP metadata: {fqn!r}: chunks must be a list")
+    for flag in ("requires_grad", "pin_memory"):
+        if type(node.get(flag)) is not bool:
+            raise ValueError(f"DCP metadata: {fqn!r}: {flag} must be true or false")
+    dtype = _NAME_TO_DTYPE.get(node.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise ValueError(f"DCP metadata: {fqn!r}: unknown dtype {node.get('dtype')!r}")
+    props = TensorProperties(
+        dtype=dtype,
+        layout=_lookup(_LAYOUTS, node.get("layout"), "layout"),
+        requires_grad=node["requires_grad"],
+        memory_format=_lookup(_MEMORY_FORMATS, node.get("memory_format"), "memory format"),
+        pin_memory=node["pin_memory"],
+    )
+    size = _ints(node.get("size"), f"{fqn!r}: size")
+    decoded = []
+    for chunk in chunks:
+        if not isinstance(chunk, list) or len(chunk) != 2:
+            raise ValueError(f"DCP metadata: {fqn!r}: bad chunk {chunk!r}")
+        offsets = _ints(chunk[0], f"{fqn!r}: chunk offsets")
+        sizes = _ints(chunk[1], f"{fqn!r}: chunk sizes")
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            raise ValueError(f"DCP metadata: {fqn!r}: chunk {chunk!r} of a {len(size)}-d tensor")
+        decoded.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
+    return fqn, TensorStorageMetadata(properties=props, size=size, chunks=decoded)
+
+
+def _encode_planner_data(data: object) -> object:
+    if data is None:
+        return None
+    if isinstance(data, dict) and all(
+        isinstance(k, str)
+        and isinstance(path, tuple | list)
+        and all(type(p) is str or type(p) is int for p in path)
+        for k, path in data.items()
+    ):
+        return [[k, list(path)] for k, path in data.items()]
+    raise TypeError(
+        f"planner_data of type {type(data).__name__} has no JSON form (ckptstore stores DCP's "
+        "metadata as JSON, never a pickle); DefaultSavePlanner's flattening map has one"
+    )
+
+
+def _decode_planner_data(data: object) -> dict[str, tuple[str | int, ...]] | None:
+    if data is None:
+        return None
+    if not isinstance(data, list):
+        raise ValueError("DCP metadata: planner_data must be a list")
+    out: dict[str, tuple[str | int, ...]] = {}
+    for entry in data:
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 2
+            or not isinstance(entry[0], str)
+            or not isinstance(entry[1], list)
+            or not all(type(p) is str or type(p) is int for p in entry[1])
+        ):
+            raise ValueError(f"DCP metadata: bad planner_data entry {entry!r}")
+        out[entry[0]] = tuple(entry[1])
+    return out
+
+
+def _encode_storage_data(data: object) -> object:
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise TypeError(f"storage_data of type {type(data).__name__} has no JSON form")
+    out = []
+    for index, info in data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, StorageInfo):
+            raise TypeError(f"storage_data entry {index!r}: {info!r} is not ckptstore's")
+        offset = None if index.offset is None else list(index.offset)
+        out.append([index.fqn, offset, info.part, info.name])
+    return out
+
+
+def _decode_storage_data(data: object) -> dict[MetadataIndex, StorageInfo] | None:
+    if data is None:
+        return None
+    if not isinstance(data, list):
+        raise ValueError("DCP metadata: storage_data must be a list")
+    out = {}
+    for entry in data:
+        if not isinstance(entry, list) or len(entry) != 4:
+            raise ValueError(f"DCP metadata: bad storage_data entry {entry!r}")
+        fqn, offset, part, name = entry
+        index = MetadataIndex(
+            _str(fqn, "fqn"), None if offset is None else _ints(offset, f"{fqn!r} offset")
+        )
+        out[index] = StorageInfo(_str(part, "part"), _str(name, "tensor name"))
+    return out
+
+
+def metadata_to_json(metadata: Metadata) -> str:
+    """DCP's :class:`Metadata` as compact JSON (version 1; :func:`metadata_from_json`
+    inverts it). ``TypeError`` for what has no JSON form (a custom planner's
+    ``planner_data``, another writer's ``storage_data``): never a pickle."""
+    meta = metadata.storage_meta
+    doc = {
+        "v": _CODEC_VERSION,
+        "version": metadata.version,
+        "state_dict": [_encode_entry(k, v) for k, v in metadata.state_dict_metadata.items()],
+        "planner_data": _encode_planner_data(metadata.planner_data),
+        "storage_data": _encode_storage_data(metadata.storage_data),
+        "storage_meta": None
+        if meta is None
+        else {
+            "checkpoint_id": None if meta.checkpoint_id is None else os.fspath(meta.checkpoint_id),
+            "save_id": meta.save_id,
+            "load_id": meta.load_id,
+            "modules": list(meta.modules),
+        },
+    }
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
+
+
+def metadata_from_json(text: str) -> Metadata:
+    """The :class:`Metadata` that :func:`metadata_to_json` wrote; ``ValueError`` if
+    ``text`` is not such a document."""
+    doc = json.loads(text)
+    if not isinstance(doc, dict) or doc.get("v") != _CODEC_VERSION:
+        raise ValueError(f"DCP metadata: not version {_CODEC_VERSION} of ckptstore's JSON form")
+    entries = doc.get("state_dict")
+    if not isinstance(entries, list):
+        raise ValueError("DCP metadata: state_dict must be a list")
+    state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    for entry in entries:
+        fqn, md = _decode_entry(entry)
+        if fqn in state_dict_metadata:
+            raise ValueError(f"DCP metadata: {fqn!r} twice")
+        state_dict_metadata[fqn] = md
+    meta = doc.get("storage_meta")
+    storage_meta = None
+    if meta is not None:
+        if not isinstance(meta, dict) or not isinstance(meta.get("modules"), list):
+            raise ValueError("DCP metadata: bad storage_meta")
+        storage_meta = StorageMeta(
+            checkpoint_id=_str(meta.get("checkpoint_id"), "checkpoint_id", optional=True),
+            save_id=_str(meta.get("save_id"), "save_id", optional=True),
+            load_id=_str(meta.get("load_id"), "load_id", optional=True),
+            modules=[_str(m, "module") for m in meta["modules"]],
+        )
+    return Metadata(
+        state_dict_metadata=state_dict_metadata,
+        planner_data=_decode_planner_data(doc.get("planner_data")),
+        storage_data=_decode_storage_data(doc.get("storage_data")),
+        storage_meta=storage_meta,
+        version=_str(doc.get("version"), "version", optional=True),
+    )
+
+
+# ------------------------------------------------------------------------------- the writer
+
+
+class CkptStoreWriter(StorageWriter):
+    """DCP :class:`~torch.distributed.checkpoint.StorageWriter` that stores a checkpoint as
+    step ``step`` of run ``run`` of the ckptstore service at ``url``.
+
+    ``step`` may instead come as ``dcp.save(..., checkpoint_id=step)`` (or ``"run/step"``),
+    which is how one writer saves many steps. ``client_options`` go to
+    :class:`~ckptstore.CheckpointClient` (``timeout``, ``retries``, ``backoff``).
+
+    Every rank uploads its items as one part; the coordinator commits them once. A step
+    that already exists is refused (:class:`~ckptstore.CheckpointExists`), unless it is the
+    same content again (a retried save). ``use_collectives=False`` is refused: the commit
+    needs every rank's results.
+    """
+
+    def __init__(self, url: str, run: str, step: int | None = None, **client_options: Any) -> None:
+        super().__init__()
+        self.url = url
+        self.run = check_run_name(run)
+        self.step = None if step is None else int(parse_checkpoint_id(step)[1])
+        self.client_options = dict(client_options)
+        self.rank = 0
+        self.is_coordinator = True
+        self.save_id = str(uuid.uuid4())
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return None if self.step is None else f"{self.run}/{self.step}"
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            run, step = parse_checkpoint_id(checkpoint_id)
+            self.run = run or self.run
+            self.step = int(step)
+        self.save_id = str(uuid.uuid4())
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            parse_checkpoint_id(checkpoint_id)
+        except InvalidRequest:
+            return False
+        return True
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.step is None:
+            raise InvalidRequest(
+                "CkptStoreWriter has no step: pass step= or dcp.save(..., checkpoint_id=step)"
+            )
+        if not kwargs.get("use_collectives", True):
+            raise ValueError(
+                "CkptStoreWriter commits every rank's part at once, from the coordinator: "
+                "dcp.save(use_collectives=False) is not supported"
+            )
+        rank = kwargs.get("rank")
+        self.rank = _rank() if rank is None else int(rank)
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # plans come in rank order; an unusable plan (DCP's plan cache: "no change") keeps
+        # the cached final plan and with it the part named the first time
+        return [
+            dataclasses.replace(plan, storage_data=_PartPlan(f"rank-{i}")) if plan.usable else plan
+            for i, plan in enumerate(plans)
+        ]
+
+    def _client(self) -> CheckpointClient:
+        return CheckpointClient(self.url, **self.client_options)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        storage = plan.storage_data
+        part = storage.part if isinstance(storage, _PartPlan) else f"rank-{self.rank}"
+        results = self._upload(part, plan.items, planner) if plan.items else []
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _upload(
+        self, part: str, items: Sequence[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
+        """Stream ``items`` as part ``part``: the tensors resolved one at a time, widest
+        dtype and largest first (as ``CheckpointClient.save`` orders them), then the
+        non-tensor items (small, resolved up front: their size is only known then)."""
+        assert self.step is not None
+        shards = [(i, i.tensor_data) for i in items if i.tensor_data is not None]
+        shards.sort(
+            key=lambda it: (-it[1].properties.dtype.itemsize, -math.prod(it[1].chunk.sizes))
+        )
+        payloads = []
+        for item in items:
+            if item.type == WriteItemType.BYTE_IO:
+                resolved = planner.resolve_data(item)
+                assert isinstance(resolved, io.BytesIO)
+                payloads.append((item, resolved.getvalue()))
+        specs: list[parts.Spec] = []
+        results = []
+        for item, td in shards:
+            name = shard_name(item.index.fqn, td.chunk.offsets)
+            specs.append((name, dtype_to_wire(td.properties.dtype), tuple(td.chunk.sizes)))
+            nbytes = td.properties.dtype.itemsize * math.prod(td.chunk.sizes)
+            results.append(WriteResult(item.index, nbytes, StorageInfo(part, name)))
+        for item, payload in payloads:
+            name = bytes_name(item.index.fqn)
+            specs.append((name, "U8", (len(payload),)))
+            results.append(WriteResult(item.index, len(payload), StorageInfo(part, name)))
+
+        def data() -> Iterator[memoryview | bytes]:
+            for item, td in shards:
+                tensor = planner.resolve_data(item)
+                assert isinstance(tensor, torch.Tensor)
+                tensor = tensor.detach()
+                if tensor.shape != td.chunk.sizes or tensor.dtype != td.properties.dtype:
+                    raise ValueError(
+                        f"{item.index.fqn}: the planner resolved a {tensor.dtype} tensor of "
+                        f"shape {list(tensor.shape)}; its plan says {td.properties.dtype} "
+                        f"{list(td.chunk.sizes)}"
+                    )
+                yield tensor_bytes(tensor)
+                del tensor
+            for _, payload in payloads:
+                yield payload
+
+        with self._client() as client:
+            parts.put_part(client, self.run, self.step, part, specs, data)
+        return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        assert self.step is not None
+        storage: dict[MetadataIndex, StorageInfo] = {}
+        for rank_results in results:
+            for result in rank_results:
+                storage[result.index] = result.storage_data
+        metadata.version = DCP_VERSION
+        metadata.storage_data = storage
+        metadata.storage_meta = self.storage_meta()
+        text = metadata_to_json(metadata)
+        names = list(dict.fromkeys(info.part for info in storage.values()))
+        with self._client() as client:
+            if not names:  # nothing to write anywhere: the checkpoint is one empty part
+                names = [f"rank-{self.rank}"]
+                parts.put_part(client, self.run, self.step, names[0], [], lambda: iter(()))
+            parts.commit(client, self.run, self.step, names, {METADATA_KEY: text})
+
+
+# ------------------------------------------------------------------------------- the reader
+
+
+class CkptStoreReader(StorageReader):
+    """DCP :class:`~torch.distributed.checkpoint.StorageReader` of checkpoint ``step``
+    (default ``"latest"``) of run ``run`` of the ckptstore service at ``url``.
+
+    Each rank fetches only the stored shards that overlap its own tensors, in one request.
+    ``latest`` is resolved once per load by each rank; if it moved in between (another save
+    committed), the load fails before reading anything: pass an explicit step.
+    """
+
+    def __init__(
+        self, url: str, run: str, step: int | str = "latest", **client_options: Any
+    ) -> None:
+        super().__init__()
+        self.url = url
+        self.run = check_run_name(run)
+        self.step: int | str = parse_checkpoint_id(step, allow_latest=True)[1]
+        self.client_options = dict(client_options)
+        self.served_step: int | None = None  # the step read_metadata found
+        self.storage_data: dict[MetadataIndex, StorageInfo] = {}
+        self.load_id = str(uuid.uuid4())
+        self.bytes_read = 0  # tensor bytes the last read_data received
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.run}/{self.step}"
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            run, step = parse_checkpoint_id(checkpoint_id, allow_latest=True)
+            self.run = run or self.run
+            self.step = step
+        self.served_step = None
+        self.storage_data = {}
+        self.load_id = str(uuid.uuid4())
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            parse_checkpoint_id(checkpoint_id, allow_latest=True)
+        except InvalidRequest:
+            return False
+        return True
+
+    def _client(self) -> CheckpointClient:
+        return CheckpointClient(self.url, **self.client_options)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            # DCP's fallback to per-rank metadata (saves without collectives): none here
+            raise FileNotFoundError("ckptstore keeps no per-rank DCP metadata")
+        with self._client() as client:
+            metadata, self.served_step = _read_metadata(client, self.run, self.step)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if metadata.storage_data is None:
+            raise CorruptData("DCP metadata without storage_data")
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        plan.storage_data = self.served_step
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        steps = {p.storage_data for p in plans}
+        if len(steps) > 1:
+            raise InvalidRequest(
+                f"the ranks read different checkpoints of run {self.run!r} (steps "
+                f"{sorted(steps)}): 'latest' moved during the load; pass an explicit step"
+            )
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_name: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            by_name.setdefault(self.storage_data[item.storage_index].name, []).append(item)
+
+        def consume(spec: TensorSpec, data: memoryview) -> None:
+            for item in by_name[spec.name]:
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(bytes(data)))
+                    continue
+                stored = tensor_from_bytes(data, spec.dtype, spec.shape)
+                source = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != source.size():
+                    raise CorruptData(
+                        f"{spec.name}: region {list(source.size())} does not fit its "
+                        f"destination {list(target.size())}"
+                    )
+                target.copy_(source)
+                planner.commit_tensor(item, target)
+
+        self.bytes_read = 0
+        if by_name:
+            assert self.served_step is not None
+            with self._client() as client:
+                self.bytes_read = parts.select(client, self.run, self.served_step, by_name, consume)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+
+def _read_metadata(client: CheckpointClient, run: str, step: int | str) -> tuple[Metadata, int]:
+    """DCP's metadata of checkpoint ``run/step`` and the step it is (``latest`` resolved)."""
+    found = parts.info(client, run, step)
+    served = int(found["checkpoint"]["step"])
+    text = found.get("metadata", {}).get(METADATA_KEY)
+    if text is None:
+        raise InvalidRequest(
+            f"checkpoint {run}/{served} was not saved through DCP (no {METADATA_KEY!r} "
+            "metadata): load it with CheckpointClient.load"
+        )
+    try:
+        return metadata_from_json(text), served
+    except ValueError as exc:
+        raise CorruptData(f"checkpoint {run}/{served}: {exc}") from exc
+
+
+# ---------------------------------------------------------------- one process, full tensors
+
+
+def full_state(
+    metadata: Metadata,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    prefix: str | None = None,
+    device: Any = "cpu",
+) -> dict[str, Any]:
+    """The unsharded state dict of a DCP checkpoint from its ``metadata`` and stored
+    ``tensors`` (by stored name), nested as it was saved (DCP's flattening map undone),
+    in the order it was saved. Entries whose flattened name does not start with ``prefix``
+    are left out. Non-tensor values are DCP's ``torch.save`` bytes, read with
+    ``torch.load(weights_only=True)`` (plain Python values and tensors only)."""
+    storage: dict[MetadataIndex, StorageInfo] = metadata.storage_data or {}
+    mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else None
+    order = [k for k in mapping if k in metadata.state_dict_metadata] if mapping else []
+    order += [k for k in metadata.state_dict_metadata if mapping is None or k not in mapping]
+    flat: dict[str, Any] = {}
+    for fqn in order:
+        if prefix and not fqn.startswith(prefix):
+            continue
+        md = metadata.state_dict_metadata[fqn]
+        if isinstance(md, BytesStorageMetadata):
+            raw = _stored(tensors, storage, MetadataIndex(fqn))
+            flat[fqn] = torch.load(io.BytesIO(tensor_bytes(raw)), weights_only=True)
+            continue
+        dtype, size = md.properties.dtype, md.size
+        if (
+            len(md.chunks) == 1
+            and list(md.chunks[0].sizes) == list(size)
+            and not any(md.chunks[0].offsets)
+        ):
+            whole = _stored(tensors, storage, MetadataIndex(fqn, md.chunks[0].offsets))
+            flat[fqn] = whole.to(device=device, dtype=dtype).reshape(size)
+            continue
+        out = torch.empty(size, dtype=dtype, device=device)
+        covered = 0
+        for chunk in md.chunks:
+            src = _stored(tensors, storage, MetadataIndex(fqn, chunk.offsets))
+            if list(src.shape) != list(chunk.sizes):
+                raise CorruptData(f"{fqn}: shard of shape {list(src.shape)}, not {chunk.sizes}")
+            narrow_tensor_by_index(out, chunk.offsets, chunk.sizes).copy_(src)
+            covered += math.prod(chunk.sizes)
+        if covered != out.numel():
+            raise CorruptData(f"{fqn}: its shards cover {covered} of {out.numel()} elements")
+        flat[fqn] = out
+    if mapping is None:
+        return flat
+    nested: dict[str, Any] = {}
+    for fqn, value in flat.items():
+        set_element(nested, mapping.get(fqn, (fqn,)), value)
+    return nested
+
+
+def _stored(
+    tensors: Mapping[str, torch.Tensor],
+    storage: Mapping[MetadataIndex, StorageInfo],
+    index: MetadataIndex,
+) -> torch.Tensor:
+    info = storage.get(index)
+    if info is None:
+        raise CorruptData(f"DCP metadata has no storage for {index.fqn} at {index.offset}")
+    tensor = tensors.get(info.name)
+    if tensor is None:
+        raise CorruptData(f"the checkpoint has no tensor {info.name!r}")
+    return tensor
+
+
+def full_state_if_dcp(
+    client: CheckpointClient,
+    run: str,
+    step: int | str,
+    tensors: dict[str, torch.Tensor],
+    header_metadata: Mapping[str, str],
+    prefix: str | None,
+    map_location: Any,
+) -> dict[str, Any]:
+    """What :meth:`CheckpointClient.load` returns for a checkpoint without a skeleton: the
+    full state (:func:`full_state`) if DCP wrote it, else the flat ``tensors``."""
+    metadata = _dcp_metadata_of(client, run, step, tensors, header_metadata)
+    if metadata is None:
+        return tensors
+    return full_state(metadata, tensors, prefix=prefix, device=map_location)
+
+
+def _dcp_metadata_of(
+    client: CheckpointClient,
+    run: str,
+    step: int | str,
+    tensors: Mapping[str, torch.Tensor],
+    header_metadata: Mapping[str, str],
+) -> Metadata | None:
+    """The DCP metadata of checkpoint ``run/step`` if DCP wrote it, else ``None``: from the
+    response's own metadata when the service put it there, else from ``/info``."""
+    text = header_metadata.get(METADATA_KEY)
+    if text is None:
+        if not tensors or not all("@" in name for name in tensors):
+            return None
+        try:
+            text = parts.info(client, run, step).get("metadata", {}).get(METADATA_KEY)
+        except NotFound:  # a service without multi-part checkpoints
+            return None
+    if text is None:
+        return None
+    try:
+        return metadata_from_json(text)
+    except ValueError as exc:
+        raise CorruptData(f"checkpoint {run}/{step}: {exc}") from exc
+
+
+def load_full(
+    url: str,
+    run: str,
+    step: int | str = "latest",
+    *,
+    prefix: str | None = None,
+    map_location: Any = "cpu",
+    **client_options: Any,
+) -> dict[str, Any]:
+    """The full, unsharded state dict of DCP checkpoint ``step`` of ``run``, in one process
+    without a process group (evaluation, conversion): what ``get_state_dict(...,
+    options=StateDictOptions(full_state_dict=True))`` gave at save time, nested as saved.
+    ``prefix`` keeps the entries whose flattened name (``"model.layer.weight"``) starts
+    with it and fetches only their shards."""
+    with CheckpointClient(url, **client_options) as client:
+        metadata, served = _read_metadata(client, run, step)
+        tensors, _, _ = client._fetch(run, served, prefix, map_location, client.progress)
+    return full_state(metadata, tensors, prefix=prefix, device=map_location)

@@ -1,0 +1,251 @@
+"""The HTTP calls of multi-part checkpoints, over a :class:`~ckptstore.CheckpointClient`'s
+connections and retries.
+
+A distributed save uploads one *part* per rank and commits them once::
+
+    PUT  /v1/runs/{run}/checkpoints/{step}/parts/{part}   a safetensors stream (no skeleton)
+    POST /v1/runs/{run}/checkpoints/{step}/commit         {"parts": [...], "metadata": {...}}
+
+and a distributed load asks for what one rank needs::
+
+    GET  /v1/runs/{run}/checkpoints/{step}/info           record, metadata, tensor list
+    POST /v1/runs/{run}/checkpoints/{step}/select         {"names": [...]} -> safetensors stream
+
+Parts are invisible until the commit and idempotent (the same part with the same content is a
+200), and a retried commit with the same parts is a 200, so every call here is retried like a
+save on connection errors and 503s. A ``select`` response is consumed tensor by tensor, each
+checked against the checksum the service recorded at save time; a retry after a cut asks only
+for the tensors not consumed yet, so the caller sees each tensor exactly once.
+
+Used by :mod:`ckptstore.dcp`; torch-free (the caller turns bytes into tensors).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+from urllib.parse import quote
+
+import numpy as np
+import xxhash
+
+from ckptstore.client import (
+    _CHECKSUMS_KEY,
+    CheckpointClient,
+    _raise_for,
+    _read_header,
+    _read_into,
+)
+from ckptstore_core.errors import CorruptData, InvalidRequest, InvalidStream
+from ckptstore_core.names import check_run_name
+from ckptstore_core.wire import FORMAT, TensorSpec, encode_header
+
+__all__ = [
+    "PART_NAME_RULE",
+    "check_part_name",
+    "commit",
+    "full_state_if_distributed",
+    "info",
+    "put_part",
+    "select",
+]
+
+_PART_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+PART_NAME_RULE = "use 1-64 of A-Z a-z 0-9 . _ - starting with a letter or digit"
+_PIECE = 8 << 20  # bytes per socket write while streaming
+
+#: ``(name, safetensors dtype code, shape)`` of one tensor of a part, in stream order.
+Spec = tuple[str, str, Sequence[int]]
+
+
+def check_part_name(part: str) -> str:
+    """``part`` if the service takes it as a part name, else InvalidRequest naming the rule."""
+    if not _PART_NAME.fullmatch(part):
+        raise InvalidRequest(f"invalid part name {part!r}: {PART_NAME_RULE}")
+    return part
+
+
+def _checkpoint_path(run: str, step: int | str) -> str:
+    return f"/v1/runs/{quote(check_run_name(run), safe='')}/checkpoints/{quote(str(step), safe='')}"
+
+
+def _call(
+    client: CheckpointClient,
+    method: str,
+    path: str,
+    body: Iterable[bytes | memoryview] | None,
+    length: int,
+    content_type: str,
+) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """Send one request on a pooled connection of ``client``; give it back with
+    ``client._done`` once the response is read. (Like ``CheckpointClient._request``, with a
+    content type: the JSON calls need ``application/json``.)"""
+    conn = client._pool.get()
+    try:
+        conn.putrequest(method, client._pool.base + path, skip_accept_encoding=True)
+        if body is not None:
+            conn.putheader("Content-Type", content_type)
+            conn.putheader("Content-Length", str(length))
+        conn.endheaders()
+        if body is not None:
+            try:
+                for piece in body:
+                    conn.send(piece)
+            except OSError:
+                # the service may have answered early (a 4xx after the header) and closed
+                response = conn.getresponse()
+                if response.status < 400:
+                    raise
+                return conn, response
+        return conn, conn.getresponse()
+    except BaseException:
+        conn.close()
+        raise
+
+
+def _json_call(client: CheckpointClient, method: str, path: str, obj: object | None) -> Any:
+    data = None if obj is None else json.dumps(obj, separators=(",", ":")).encode()
+    conn, response = _call(
+        client, method, path, None if data is None else [data], len(data or b""),
+        "application/json",
+    )  # fmt: skip
+    raw = response.read()
+    client._done(conn, response)
+    _raise_for(response.status, raw)
+    return json.loads(raw)
+
+
+def put_part(
+    client: CheckpointClient,
+    run: str,
+    step: int,
+    part: str,
+    specs: Sequence[Spec],
+    data: Callable[[], Iterator[memoryview | bytes]],
+) -> dict[str, Any]:
+    """Upload part ``part`` of checkpoint ``run/step``: the tensors ``specs`` (in order),
+    whose bytes ``data()`` yields back to back (called again on each retry). Returns the
+    service's JSON (``tensors``, ``raw_bytes``, ``stored_bytes``, ...)."""
+    path = f"{_checkpoint_path(run, step)}/parts/{quote(check_part_name(part), safe='')}"
+    prefix, header = encode_header(specs, {"format": FORMAT})
+
+    def body() -> Iterator[memoryview | bytes]:
+        yield prefix
+        sent = 0
+        for piece in data():
+            view = memoryview(piece).cast("B")
+            for off in range(0, len(view), _PIECE):
+                yield view[off : off + _PIECE]
+            sent += len(view)
+        if sent != header.data_len:
+            raise ValueError(f"part {part!r}: {sent} bytes of tensor data, not {header.data_len}")
+
+    def attempt() -> dict[str, Any]:
+        conn, response = _call(
+            client, "PUT", path, body(), header.total_len, "application/octet-stream"
+        )
+        raw = response.read()
+        client._done(conn, response)
+        _raise_for(response.status, raw)
+        out: dict[str, Any] = json.loads(raw)
+        return out
+
+    return client._retry(attempt)
+
+
+def commit(
+    client: CheckpointClient,
+    run: str,
+    step: int,
+    parts: Sequence[str],
+    metadata: Mapping[str, str],
+) -> dict[str, Any]:
+    """Make checkpoint ``run/step`` of ``parts`` visible, with ``metadata``; the record."""
+    body = {"parts": [check_part_name(p) for p in parts], "metadata": dict(metadata)}
+    path = f"{_checkpoint_path(run, step)}/commit"
+    out: dict[str, Any] = client._retry(lambda: _json_call(client, "POST", path, body))
+    return out
+
+
+def info(client: CheckpointClient, run: str, step: int | str) -> dict[str, Any]:
+    """``{"checkpoint": record, "metadata": {...}, "tensors": [{"name","dtype","shape"}]}``
+    of checkpoint ``run/step`` (``step`` may be ``"latest"``)."""
+    path = f"{_checkpoint_path(run, step)}/info"
+    out: dict[str, Any] = client._retry(lambda: _json_call(client, "GET", path, None))
+    return out
+
+
+def select(
+    client: CheckpointClient,
+    run: str,
+    step: int,
+    names: Iterable[str],
+    consume: Callable[[TensorSpec, memoryview], None],
+) -> int:
+    """Fetch the tensors ``names`` of checkpoint ``run/step`` and hand each to
+    ``consume(spec, data)`` as it arrives (``data`` is valid during the call only), checked
+    against its checksum. Each tensor is consumed once: a retry after a cut connection asks
+    for the rest only. Returns the bytes of tensor data received."""
+    left = dict.fromkeys(names)  # the names not consumed yet, in the order asked
+    path = f"{_checkpoint_path(run, step)}/select"
+    received = 0
+
+    def attempt() -> None:
+        nonlocal received
+        if not left:
+            return
+        raw = json.dumps({"names": list(left)}, separators=(",", ":")).encode()
+        conn, response = _call(client, "POST", path, [raw], len(raw), "application/json")
+        try:
+            if response.status >= 300:
+                _raise_for(response.status, response.read())
+            header = _read_header(response)
+            sums = json.loads(header.metadata.get(_CHECKSUMS_KEY, "{}"))
+            unasked = {t.name for t in header.tensors} - left.keys()
+            if unasked or len(header.tensors) != len(left):
+                raise InvalidStream(
+                    f"select of {len(left)} tensors answered {len(header.tensors)}"
+                    + (f", among them {sorted(unasked)[:3]} not asked for" if unasked else "")
+                )
+            for spec in header.tensors:
+                buf = np.empty(spec.nbytes, np.uint8).data
+                _read_into(response, buf, lambda n: None)
+                want = sums.get(spec.name)
+                if want is not None and xxhash.xxh3_128_hexdigest(buf) != want:
+                    raise CorruptData(f"tensor {spec.name!r} arrived corrupted (checksum mismatch)")
+                consume(spec, buf)
+                del left[spec.name]
+                received += spec.nbytes
+            if response.read(1):
+                raise InvalidStream("response is longer than its header says")
+        except BaseException:
+            conn.close()
+            raise
+        client._done(conn, response)
+
+    client._retry(attempt)
+    return received
+
+
+def full_state_if_distributed(
+    client: CheckpointClient,
+    run: str,
+    step: int | str,
+    tensors: dict[str, Any],
+    metadata: Mapping[str, str],
+    prefix: str | None,
+    map_location: Any,
+) -> Any:
+    """:meth:`CheckpointClient.load`'s hook for a checkpoint without a skeleton: a plain
+    safetensors file stays the flat dict ``tensors``; a DCP checkpoint (its metadata in the
+    response, or every tensor named like a shard, ``fqn@offsets``, and DCP metadata in
+    ``/info``) becomes its full, unsharded state dict (:func:`ckptstore.dcp.full_state`).
+    Imports torch.distributed.checkpoint only for such checkpoints."""
+    if "dcp" not in metadata and not (tensors and all("@" in name for name in tensors)):
+        return tensors
+    from ckptstore.dcp import full_state_if_dcp
+
+    return full_state_if_dcp(client, run, step, tensors, metadata, prefix, map_location)

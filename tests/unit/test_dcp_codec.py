@@ -1,0 +1,256 @@
+"""ckptstore.dcp without a service: DCP Metadata <-> JSON, checkpoint ids, shard names,
+pickling of the writer and reader, and assembling full tensors from shards."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from ckptstore.dcp import (
+    CkptStoreReader,
+    CkptStoreWriter,
+    StorageInfo,
+    bytes_name,
+    full_state,
+    metadata_from_json,
+    metadata_to_json,
+    parse_checkpoint_id,
+    shard_name,
+)
+from ckptstore_core.errors import CorruptData, InvalidRequest
+from support.states import assert_same_state
+
+
+def _state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "half": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        "flag": torch.tensor(True),
+        "step": 7,
+        "name": "run-a",
+    }
+
+
+def _planned(state: dict[str, Any]) -> tuple[Metadata, list[Any]]:
+    """DCP's own global plan and metadata of ``state`` (one rank), storage as our writer's."""
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    plans, metadata = planner.create_global_plan([planner.create_local_plan()])
+    items = plans[0].items
+    storage = {}
+    for item in items:
+        if item.type == WriteItemType.BYTE_IO:
+            storage[item.index] = StorageInfo("rank-0", bytes_name(item.index.fqn))
+        else:
+            assert item.tensor_data is not None
+            name = shard_name(item.index.fqn, item.tensor_data.chunk.offsets)
+            storage[item.index] = StorageInfo("rank-0", name)
+    metadata.storage_data = storage
+    metadata.version = "1.0.0"
+    metadata.storage_meta = StorageMeta(checkpoint_id="run/3", save_id="abc", modules=["m"])
+    return metadata, items
+
+
+def test_metadata_round_trips_through_json() -> None:
+    metadata, _ = _planned(_state())
+    text = metadata_to_json(metadata)
+    json.loads(text)  # plain JSON
+    back = metadata_from_json(text)
+    assert back == metadata
+    assert list(back.state_dict_metadata) == list(metadata.state_dict_metadata)
+    assert list(back.planner_data) == list(metadata.planner_data)
+    assert back.planner_data["optim.param_groups.0.lr"] == ("optim", "param_groups", 0, "lr")
+    assert metadata_to_json(back) == text
+
+
+def test_sharded_metadata_and_odd_properties_round_trip() -> None:
+    props = TensorProperties(
+        dtype=torch.float8_e4m3fn,
+        layout=torch.strided,
+        requires_grad=True,
+        memory_format=torch.channels_last,
+        pin_memory=True,
+    )
+    chunks = [
+        ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([3, 8])),
+        ChunkStorageMetadata(torch.Size([3, 0]), torch.Size([3, 8])),
+        ChunkStorageMetadata(torch.Size([6, 0]), torch.Size([0, 8])),  # an empty shard
+    ]
+    metadata = Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(props, torch.Size([6, 8]), chunks),
+            "scalar": TensorStorageMetadata(TensorProperties(), torch.Size([]), []),
+            "blob": BytesStorageMetadata(),
+        },
+        storage_data={
+            MetadataIndex("w", [3, 0]): StorageInfo("rank-1", "w@3,0"),
+            MetadataIndex("blob"): StorageInfo("rank-0", "blob@bytes"),
+        },
+    )
+    back = metadata_from_json(metadata_to_json(metadata))
+    assert back == metadata
+    w = back.state_dict_metadata["w"]
+    assert isinstance(w, TensorStorageMetadata)
+    assert w.properties.memory_format == torch.channels_last and w.properties.pin_memory
+    assert isinstance(w.size, torch.Size) and isinstance(w.chunks[1].offsets, torch.Size)
+    assert back.storage_data[MetadataIndex("w", [3, 0])] == StorageInfo("rank-1", "w@3,0")
+    assert back.planner_data is None and back.storage_meta is None and back.version is None
+
+
+def test_what_has_no_json_form_is_refused_never_pickled() -> None:
+    metadata, _ = _planned(_state())
+    metadata.planner_data = {"x": object()}
+    with pytest.raises(TypeError, match="no JSON form"):
+        metadata_to_json(metadata)
+    metadata, _ = _planned(_state())
+    metadata.storage_data = {MetadataIndex("x"): "somebody else's"}
+    with pytest.raises(TypeError, match="not ckptstore's"):
+        metadata_to_json(metadata)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[]",
+        '{"v": 2, "state_dict": []}',
+        '{"v": 1, "state_dict": [["w", {"t": "tensor", "dtype": "float99"}]]}',
+        '{"v": 1, "state_dict": [["w", {"t": "other"}]]}',
+        '{"v": 1, "state_dict": [["w", {"t": "bytes"}], ["w", {"t": "bytes"}]]}',
+        '{"v": 1, "state_dict": [], "planner_data": [["w", [1.5]]]}',
+        '{"v": 1, "state_dict": [], "storage_data": [["w", [-1], "p", "n"]]}',
+    ],
+)
+def test_malformed_metadata_is_a_value_error(text: str) -> None:
+    with pytest.raises(ValueError, match="DCP metadata"):
+        metadata_from_json(text)
+
+
+def test_shard_names_are_stable_and_never_collide_with_bytes() -> None:
+    assert shard_name("model.w", torch.Size([0, 64])) == "model.w@0,64"
+    assert shard_name("step", torch.Size([])) == "step@"
+    assert bytes_name("optim.param_groups.0.lr") == "optim.param_groups.0.lr@bytes"
+    # what follows the last "@": digits and commas for a shard, "bytes" for bytes
+    assert bytes_name("a@0") != shard_name("a", [0])
+
+
+@pytest.mark.parametrize(
+    ("cid", "want"),
+    [(5, (None, 5)), ("12", (None, 12)), ("my-run/40", ("my-run", 40))],
+)
+def test_checkpoint_ids(cid: object, want: tuple[str | None, int]) -> None:
+    assert parse_checkpoint_id(cid) == want
+    assert CkptStoreWriter.validate_checkpoint_id(cid)  # type: ignore[arg-type]
+
+
+def test_bad_checkpoint_ids() -> None:
+    for bad in (-1, True, "x", "a/b/", "bad name/3", 1.5, "latest"):
+        with pytest.raises(InvalidRequest):
+            parse_checkpoint_id(bad)
+    assert parse_checkpoint_id("run/latest", allow_latest=True) == ("run", "latest")
+    assert CkptStoreReader.validate_checkpoint_id("latest")
+    assert not CkptStoreWriter.validate_checkpoint_id("latest")
+
+
+def test_writer_and_reader_pickle_as_plain_config() -> None:
+    writer = CkptStoreWriter("http://127.0.0.1:1", "run", retries=2, timeout=3.0)
+    writer.reset("other/9")
+    writer.set_up_storage_writer(True, rank=3, use_collectives=True)
+    copy = pickle.loads(pickle.dumps(writer))
+    assert (copy.url, copy.run, copy.step, copy.rank) == ("http://127.0.0.1:1", "other", 9, 3)
+    assert copy.client_options == {"retries": 2, "timeout": 3.0}
+    assert copy.checkpoint_id == "other/9" and copy.storage_meta() == writer.storage_meta()
+    reader = pickle.loads(pickle.dumps(CkptStoreReader("http://h:1", "run", 4)))
+    assert reader.checkpoint_id == "run/4"
+
+
+def test_writer_needs_a_step_and_collectives() -> None:
+    with pytest.raises(InvalidRequest, match="no step"):
+        CkptStoreWriter("http://h:1", "run").set_up_storage_writer(True)
+    with pytest.raises(ValueError, match="use_collectives"):
+        CkptStoreWriter("http://h:1", "run", 1).set_up_storage_writer(True, use_collectives=False)
+
+
+def test_full_state_assembles_shards_and_unflattens() -> None:
+    state = _state()
+    metadata, items = _planned(state)
+    # the stored tensors of a 2-way row split of every 1+-d tensor (what two ranks store)
+    flat = {}
+    new_sd = {}
+    new_storage = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            new_sd[fqn] = md
+            index = MetadataIndex(fqn)
+            new_storage[index] = metadata.storage_data[index]
+            continue
+        whole = _lookup(state, metadata.planner_data[fqn])
+        if whole.dim() == 0:
+            cuts = [(0, None)]
+        else:
+            half = whole.shape[0] // 2
+            cuts = [(0, half), (half, None)]
+        chunks = []
+        for start, stop in cuts:
+            piece = whole if stop is None and start == 0 else whole[start:stop]
+            offsets = torch.Size([start] + [0] * (whole.dim() - 1)) if whole.dim() else torch.Size()
+            chunks.append(ChunkStorageMetadata(offsets, piece.shape))
+            name = shard_name(fqn, offsets)
+            flat[name] = piece.clone()
+            new_storage[MetadataIndex(fqn, offsets)] = StorageInfo("rank-0", name)
+        new_sd[fqn] = TensorStorageMetadata(md.properties, md.size, chunks)
+    for item in items:
+        if item.type == WriteItemType.BYTE_IO:
+            import io
+
+            buf = io.BytesIO()
+            torch.save(_lookup(state, metadata.planner_data[item.index.fqn]), buf)
+            flat[bytes_name(item.index.fqn)] = torch.frombuffer(
+                bytearray(buf.getvalue()), dtype=torch.uint8
+            )
+    metadata.state_dict_metadata = new_sd
+    metadata.storage_data = new_storage
+    back = metadata_from_json(metadata_to_json(metadata))
+    full = full_state(back, flat)
+    expected = _stringified(state)
+    assert_same_state(expected, full, same_objects=False)
+    only_model = full_state(back, flat, prefix="model.")
+    assert list(only_model) == ["model"]
+    del flat[shard_name("model.0.weight", [0, 0])]
+    with pytest.raises(CorruptData, match=r"model\.0\.weight@0,0"):
+        full_state(back, flat)
+
+
+def _lookup(state: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        state = state[key] if not isinstance(state, dict) or key in state else state[int(key)]
+    return state
+
+
+def _stringified(state: Any) -> Any:
+    """``state`` as DCP keeps it: mapping keys as str, plain dicts."""
+    if isinstance(state, dict):
+        return {str(k): _stringified(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_stringified(v) for v in state]
+    return state
