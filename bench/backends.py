@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from ckptstore import CheckpointClient
-from pg import pg_database
-from s3server import fake_aws_credentials, start_moto
-from serviceproc import Service
+from support.pg import pg_database
+from support.s3server import fake_aws_credentials, start_moto
+from support.serviceproc import Service
 
 MB = 1e6
 

@@ -66,7 +66,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import torch
 import zstandard
@@ -76,7 +75,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import models  # noqa: E402
 from ckptstore import CheckpointClient  # noqa: E402
-from serviceproc import Service  # noqa: E402
+from support.serviceproc import Service, wait_idle  # noqa: E402
 
 MB = 1e6
 ZSTD1 = "torch.save+zstd3"
@@ -413,15 +412,6 @@ def bench_zipnn(ckpts: Checkpoints, repeats: int) -> dict[str, Any]:
     )
 
 
-def wait_idle(url: str, timeout: float = 600.0) -> None:
-    """Until the service reports no re-root pass queued or running."""
-    deadline = time.monotonic() + timeout
-    while httpx.get(f"{url}/healthz", timeout=30).json()["maintenance"]:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the service's background work did not finish")
-        time.sleep(0.02)
-
-
 def bench_ckptstore(run: str, ckpts: Checkpoints, workdir: Path, repeats: int) -> dict[str, Any]:
     data_dir = workdir / run
     depth = max(16, len(ckpts) + 1)
@@ -449,7 +439,7 @@ def bench_ckptstore(run: str, ckpts: Checkpoints, workdir: Path, repeats: int) -
             # the re-root that the last save may have set off, in the background: its wall
             # and CPU time, apart from the saves' (a trainer would be training meanwhile)
             t0 = time.perf_counter()
-            wait_idle(svc.url)
+            wait_idle(svc.url, timeout=600)
             reroot_s = time.perf_counter() - t0
             reroot_cpu = proc_cpu_s(svc.pid) - svc_cpu0 - svc_cpu
             peak_save = max(peak_save, svc.rss_bytes("VmHWM") - baseline)

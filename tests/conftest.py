@@ -1,3 +1,5 @@
+"""Fixtures for every test folder: databases, real services, the S3 server (helpers: support/)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -5,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pg import pg_database
-from s3server import fake_aws_credentials, start_moto
-from serviceproc import Service
+from support.pg import pg_database
+from support.s3server import fake_aws_credentials, start_moto
+from support.serviceproc import Service
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -10,62 +10,54 @@ stored and come back byte for byte.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import struct
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from serviceproc import Service, eventually
+from support.bodies import (
+    W,
+    assert_nothing_stored,
+    chunked_upload,
+    framed,
+    skeleton,
+)
+from support.serviceproc import Service
+from support.waiting import eventually
 
-W = {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}
 W_JSON = b'{"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}'
 DATA = bytes(range(24))
-
-
-def skeleton(*names: str) -> str:
-    items = [[n, {"t": "tensor", "n": n}] for n in names]
-    return json.dumps({"v": 1, "root": {"t": "dict", "v": items}})
-
-
 META = {"format": "ckptstore/1", "skeleton": skeleton("w")}
 
 
-def framed(header: object, data: bytes = DATA) -> bytes:
-    text = header if isinstance(header, bytes) else json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + data
-
-
 def with_meta(**meta: str) -> bytes:
-    return framed({"__metadata__": meta, "w": W})
+    return framed({"__metadata__": meta, "w": W}, DATA)
 
 
 BAD = {
     # one name, two entries: which one is meant?
-    "duplicate-name-same-entry": framed(b'{"w": ' + W_JSON + b', "w": ' + W_JSON + b"}"),
+    "duplicate-name-same-entry": framed(b'{"w": ' + W_JSON + b', "w": ' + W_JSON + b"}", DATA),
     "duplicate-name-other-shape": framed(
-        b'{"w": {"dtype": "F32", "shape": [6], "data_offsets": [0, 24]}, "w": ' + W_JSON + b"}"
+        b'{"w": {"dtype": "F32", "shape": [6], "data_offsets": [0, 24]}, "w": ' + W_JSON + b"}",
+        DATA,
     ),
     "duplicate-metadata": framed(
-        b'{"__metadata__": {"format": 1}, "__metadata__": {}, "w": ' + W_JSON + b"}"
+        b'{"__metadata__": {"format": 1}, "__metadata__": {}, "w": ' + W_JSON + b"}", DATA
     ),
     "duplicate-key-in-entry": framed(
-        b'{"w": {"dtype": "I32", "dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}'
+        b'{"w": {"dtype": "I32", "dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}', DATA
     ),
     # not text: a 500 (SQLite), a reset connection, or a checkpoint that never loads again
-    "name-lone-surrogate": framed(b'{"w\\ud800": ' + W_JSON + b"}"),
+    "name-lone-surrogate": framed(b'{"w\\ud800": ' + W_JSON + b"}", DATA),
     "metadata-value-lone-surrogate": framed(
-        b'{"__metadata__": {"note": "\\udc00"}, "w": ' + W_JSON + b"}"
+        b'{"__metadata__": {"note": "\\udc00"}, "w": ' + W_JSON + b"}", DATA
     ),
     "metadata-key-lone-surrogate": framed(
-        b'{"__metadata__": {"\\udc00": ""}, "w": ' + W_JSON + b"}"
+        b'{"__metadata__": {"\\udc00": ""}, "w": ' + W_JSON + b"}", DATA
     ),
-    "name-nul": framed({"a\u0000b": W}),
+    "name-nul": framed({"a\u0000b": W}, DATA),
     # sizes torch (int64) cannot hold, in tensors with no bytes
     "dim-2-70-of-empty": framed(
         {"w": {"dtype": "F32", "shape": [0, 2**70], "data_offsets": [0, 0]}}, b""
@@ -92,22 +84,6 @@ BAD = {
 }
 
 
-@pytest.fixture(scope="module")
-def http(service: Service) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=service.url, timeout=30) as client:
-        yield client
-
-
-def assert_nothing_stored(service: Service, http: httpx.Client, run: str) -> None:
-    assert service.healthy()
-    assert run not in [r["name"] for r in http.get("/v1/runs").json()["runs"]]
-    response = http.get(f"/v1/runs/{run}/checkpoints")
-    assert response.status_code == 404, response.text
-    assert not (service.data_dir / "blobs" / "runs" / run).is_dir() or not os.listdir(
-        service.data_dir / "blobs" / "runs" / run
-    )
-
-
 @pytest.mark.parametrize("name", BAD)
 def test_malformed_header_is_a_400_and_leaves_nothing(
     service: Service, http: httpx.Client, name: str
@@ -117,7 +93,7 @@ def test_malformed_header_is_a_400_and_leaves_nothing(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "invalid_stream" and error["message"], error
-    assert_nothing_stored(service, http, run)
+    assert_nothing_stored(service, run)
 
 
 GOOD = {
@@ -126,13 +102,13 @@ GOOD = {
         format="ckptstore/1",
         skeleton='{"v":1,"root":[{"t":"tensor","n":"w"},{"t":"tensor","n":"w"}]}',
     ),
-    "plain-safetensors": framed({"w": W}),
+    "plain-safetensors": framed({"w": W}, DATA),
     "plain-safetensors-of-transformers": with_meta(format="pt"),
     "nul-in-metadata": with_meta(format="ckptstore/1", skeleton=skeleton("w"), note="a\u0000b"),
-    "name-20-MiB": framed({"__metadata__": {}, "n" * (20 << 20): W}),
-    "name-path-like": framed({"../../etc/passwd": W}),
+    "name-20-MiB": framed({"__metadata__": {}, "n" * (20 << 20): W}, DATA),
+    "name-path-like": framed({"../../etc/passwd": W}, DATA),
     "empty-tensor-at-the-end": framed(
-        {"w": W, "e": {"dtype": "F32", "shape": [0, 2**62], "data_offsets": [24, 24]}}
+        {"w": W, "e": {"dtype": "F32", "shape": [0, 2**62], "data_offsets": [24, 24]}}, DATA
     ),
 }
 
@@ -149,21 +125,6 @@ def test_valid_edge_cases_are_stored_exactly(http: httpx.Client, name: str) -> N
     assert got.content[8 + n :] == DATA
 
 
-def chunked_upload(service: Service, run: str, pieces: list[bytes], end: bool) -> socket.socket:
-    """A chunked POST of ``pieces``; with ``end`` the terminating chunk follows."""
-    sock = socket.create_connection(("127.0.0.1", service.port), timeout=10)
-    head = (
-        f"POST /v1/runs/{run}/checkpoints/1 HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        "Content-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-    )
-    sock.sendall(head.encode())
-    for piece in pieces:
-        sock.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
-    if end:
-        sock.sendall(b"0\r\n\r\n")
-    return sock
-
-
 def test_chunked_upload_cut_mid_tensor_by_a_disconnect(
     service: Service, http: httpx.Client
 ) -> None:
@@ -172,13 +133,13 @@ def test_chunked_upload_cut_mid_tensor_by_a_disconnect(
     header = {"__metadata__": META, "w": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}
     body = framed(header, os.urandom(n))
     sock = chunked_upload(
-        service, run, [body[i : i + 65536] for i in range(0, n // 2, 65536)], False
+        service.url, run, [body[i : i + 65536] for i in range(0, n // 2, 65536)], False
     )
     time.sleep(0.2)
     sock.close()
 
     def nothing_left() -> None:
-        assert_nothing_stored(service, http, run)
+        assert_nothing_stored(service, run)
         assert os.listdir(service.data_dir / "blobs" / ".tmp") == []
 
     eventually(nothing_left)

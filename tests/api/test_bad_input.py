@@ -8,10 +8,7 @@ error code, that the service still answers, and that no checkpoint of the run ap
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import socket
 import struct
 import time
 from collections.abc import Callable, Iterator
@@ -22,49 +19,29 @@ import httpx
 import pytest
 
 from ckptstore_core.wire import encode_header
-from serviceproc import Service, eventually
+from support.bodies import (
+    TENSORS,
+    B,
+    W,
+    assert_error,
+    assert_nothing_stored,
+    chunked,
+    client_for,
+    data_for,
+    framed,
+    meta_for,
+    partial_upload,
+    post,
+    read_response,
+    stored_data,
+    valid_body,
+)
+from support.serviceproc import Service
+from support.waiting import eventually
 
 MiB = 1 << 20
-TENSORS = [("w", "F32", [2, 3]), ("b", "I64", [4])]  # 24 + 32 bytes of data
-
-
-def meta_for(*names: str) -> dict[str, str]:
-    """Metadata whose skeleton is a dict of the tensors ``names`` (the service checks it)."""
-    items = [[n, {"t": "tensor", "n": n}] for n in names]
-    skeleton = json.dumps({"v": 1, "root": {"t": "dict", "v": items}}, separators=(",", ":"))
-    return {"format": "ckptstore/1", "skeleton": skeleton}
-
-
 META = meta_for("w", "b")
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # what a run may be called
-
-
-# -- building bodies ---------------------------------------------------------------------------
-
-
-def data_for(n: int, seed: int = 1) -> bytes:
-    return bytes((i * 7 + seed) % 251 for i in range(n))
-
-
-def valid_body(
-    seed: int = 1, tensors: list[tuple[str, str, list[int]]] | None = None
-) -> tuple[bytes, bytes]:
-    """A valid safetensors body split into (prefix, data)."""
-    layout = tensors or TENSORS
-    prefix, header = encode_header(layout, meta_for(*(name for name, _, _ in layout)))
-    return prefix, data_for(header.data_len, seed)
-
-
-def framed(header: object, data: bytes = b"", length: int | None = None) -> bytes:
-    """``header`` (JSON-encoded unless already bytes), space-padded to 8, behind its length."""
-    text = header if isinstance(header, bytes) else json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text) if length is None else length) + text + data
-
-
-W = {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}
-B = {"dtype": "I64", "shape": [4], "data_offsets": [24, 56]}
-DATA = data_for(56)
+DATA = data_for(56)  # TENSORS' data
 
 
 def tensors(**changes: object) -> bytes:
@@ -76,117 +53,6 @@ def w_with(**fields: object) -> bytes:
     """A header whose tensor w has some fields replaced (or removed when None)."""
     w = {k: v for k, v in {**W, **fields}.items() if v is not None}
     return framed({"__metadata__": META, "w": w, "b": B}, DATA)
-
-
-def chunked(body: bytes, piece: int = 16) -> Callable[[], Iterator[bytes]]:
-    """Content for httpx that has no Content-Length (sent with Transfer-Encoding: chunked)."""
-
-    def gen() -> Iterator[bytes]:
-        for i in range(0, len(body), piece):
-            yield body[i : i + piece]
-
-    return gen
-
-
-# -- talking to the service --------------------------------------------------------------------
-
-_clients: dict[str, httpx.Client] = {}
-
-
-def http(service: Service) -> httpx.Client:
-    """One keep-alive client per service (a new httpx client costs tens of ms)."""
-    client = _clients.get(service.url)
-    if client is None:
-        client = _clients[service.url] = httpx.Client(base_url=service.url, timeout=30)
-    return client
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_clients() -> Iterator[None]:
-    yield
-    for client in _clients.values():
-        client.close()
-    _clients.clear()
-
-
-def post(
-    service: Service, run: str, step: str, content: bytes | Callable[[], Iterator[bytes]]
-) -> httpx.Response:
-    body = content if isinstance(content, bytes) else content()
-    return http(service).post(f"/v1/runs/{run}/checkpoints/{step}", content=body)
-
-
-def assert_error(response: httpx.Response, status: int, code: str) -> None:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    error = response.json()["error"]
-    assert error["code"] == code, error
-    assert isinstance(error["message"], str) and error["message"].strip(), error
-
-
-def run_names(service: Service) -> list[str]:
-    response = http(service).get("/v1/runs")
-    assert response.status_code == 200, response.text
-    return [r["name"] for r in response.json()["runs"]]
-
-
-def leftover_blobs(service: Service, run: str) -> list[str]:
-    folder = service.data_dir / "blobs" / "runs" / run
-    return sorted(os.listdir(folder)) if folder.is_dir() else []
-
-
-def assert_nothing_stored(service: Service, *runs: str) -> None:
-    """The service is healthy and none of ``runs`` has a checkpoint, listed or on disk."""
-    assert service.healthy()
-    listed = run_names(service)
-    for run in runs:
-        assert run not in listed
-        if RUN_NAME.fullmatch(run):
-            response = http(service).get(f"/v1/runs/{run}/checkpoints")
-            assert_error(response, 404, "run_not_found")
-            assert leftover_blobs(service, run) == []
-
-
-def open_upload(service: Service, path: str, content_length: int, payload: bytes) -> socket.socket:
-    """Start a POST on a raw socket: request head with ``content_length``, then ``payload``."""
-    sock = socket.create_connection(("127.0.0.1", service.port), timeout=10)
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        f"Content-Type: application/octet-stream\r\nContent-Length: {content_length}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + payload)
-    return sock
-
-
-def read_response(sock: socket.socket, timeout: float) -> tuple[int, dict[str, object]]:
-    """Read one HTTP response (status, JSON body) from ``sock``."""
-    sock.settimeout(timeout)
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        piece = sock.recv(65536)
-        if not piece:
-            raise ConnectionError(f"connection closed after {buf!r}")
-        buf += piece
-    head, _, body = buf.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    length = next(
-        int(v) for k, _, v in (x.partition(":") for x in lines[1:]) if k.lower() == "content-length"
-    )
-    while len(body) < length:
-        piece = sock.recv(65536)
-        if not piece:
-            break
-        body += piece
-    return status, json.loads(body[:length])
-
-
-def stored_data(service: Service, run: str, step: int | str) -> bytes:
-    """The tensor bytes (the section after the header) of a stored checkpoint."""
-    response = http(service).get(f"/v1/runs/{run}/checkpoints/{step}")
-    assert response.status_code == 200, response.text
-    (n,) = struct.unpack("<Q", response.content[:8])
-    return response.content[8 + n :]
 
 
 # -- malformed bodies --------------------------------------------------------------------------
@@ -364,7 +230,7 @@ BAD_PATHS = {
 
 @pytest.mark.parametrize("case", BAD_PATHS.values(), ids=BAD_PATHS.keys())
 def test_bad_path_is_rejected_and_leaves_nothing(service: Service, case: BadPath) -> None:
-    client = http(service)
+    client = client_for(service)
     content = BODY if case.method == "POST" else None
     request = client.build_request(case.method, case.path, content=content)
     assert request.url.raw_path == case.path.encode()  # httpx sends it as written
@@ -375,9 +241,9 @@ def test_bad_path_is_rejected_and_leaves_nothing(service: Service, case: BadPath
 
 
 def test_get_latest_of_unknown_run(service: Service) -> None:
-    response = http(service).get("/v1/runs/never-saved/checkpoints/latest")
+    response = client_for(service).get("/v1/runs/never-saved/checkpoints/latest")
     assert_error(response, 404, "run_not_found")
-    response = http(service).get("/v1/runs/never-saved/checkpoints/3")
+    response = client_for(service).get("/v1/runs/never-saved/checkpoints/3")
     assert_error(response, 404, "run_not_found")
     assert_nothing_stored(service, "never-saved")
 
@@ -385,9 +251,9 @@ def test_get_latest_of_unknown_run(service: Service) -> None:
 def test_get_missing_step_of_existing_run(service: Service) -> None:
     prefix, data = valid_body(seed=3)
     assert post(service, "has-one", "5", prefix + data).status_code == 201
-    response = http(service).get("/v1/runs/has-one/checkpoints/6")
+    response = client_for(service).get("/v1/runs/has-one/checkpoints/6")
     assert_error(response, 404, "checkpoint_not_found")
-    response = http(service).get("/v1/runs/has-one/checkpoints/4")
+    response = client_for(service).get("/v1/runs/has-one/checkpoints/4")
     assert_error(response, 404, "checkpoint_not_found")
     assert stored_data(service, "has-one", "latest") == data
     assert service.healthy()
@@ -398,7 +264,7 @@ def test_get_missing_step_of_existing_run(service: Service) -> None:
 
 def test_content_length_smaller_than_header_says(service: Service) -> None:
     short = BODY[:-16]
-    with open_upload(service, "/v1/runs/cl-short/checkpoints/1", len(short), short) as sock:
+    with partial_upload(service.url, "cl-short", 1, short, len(short), timeout=10) as sock:
         status, body = read_response(sock, timeout=10)
     assert status == 400
     assert body["error"]["code"] == "invalid_stream" and body["error"]["message"]
@@ -422,7 +288,7 @@ def test_rejection_does_not_wait_for_a_body_that_never_comes(service: Service) -
     }
     expected = {"cl-long": (400, "invalid_stream"), "huge-wait": (413, "payload_too_large")}
     socks = {
-        run: open_upload(service, f"/v1/runs/{run}/checkpoints/1", length, sent)
+        run: partial_upload(service.url, run, 1, sent, length, timeout=10)
         for run, (length, sent) in uploads.items()
     }
     deadline = time.monotonic() + 6.5
@@ -461,7 +327,7 @@ def test_client_disconnects_mid_upload(
     run = f"hangup-{name}"
     prefix, data = valid_body(seed=5, tensors=layout)
     body = prefix + data
-    sock = open_upload(service, f"/v1/runs/{run}/checkpoints/1", len(body), body[:sent])
+    sock = partial_upload(service.url, run, 1, body[:sent], len(body), timeout=10)
     time.sleep(0.2)
     sock.close()  # no response to read: the client is gone
 
@@ -486,7 +352,7 @@ def test_same_step_same_content_is_idempotent(service: Service) -> None:
     again = post(service, "twice-same", "10", chunked(prefix + data, 5))
     assert again.status_code == 200, again.text
     assert again.json() == first.json()
-    checkpoints = http(service).get("/v1/runs/twice-same/checkpoints").json()
+    checkpoints = client_for(service).get("/v1/runs/twice-same/checkpoints").json()
     assert [c["step"] for c in checkpoints["checkpoints"]] == [10]
 
 
@@ -515,7 +381,7 @@ def test_same_step_different_content_conflicts(
     assert service.healthy()
     assert stored_data(service, run, 10) == data
     assert stored_data(service, run, "latest") == data
-    listed = http(service).get(f"/v1/runs/{run}/checkpoints").json()
+    listed = client_for(service).get(f"/v1/runs/{run}/checkpoints").json()
     assert [c["step"] for c in listed["checkpoints"]] == [10]
     assert listed["checkpoints"][0] == first.json()
 
@@ -565,7 +431,7 @@ def test_stalled_uploads_do_not_starve_the_service(make_service: Callable[..., S
     prefix, data = valid_body(seed=4)
     body = prefix + data
     socks = [
-        open_upload(svc, f"/v1/runs/stall-{i}/checkpoints/1", len(body), body[: len(prefix) + 8])
+        partial_upload(svc.url, f"stall-{i}", 1, body[: len(prefix) + 8], len(body), timeout=10)
         for i in range(45)
     ]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointClient
-from serviceproc import Service
+from support.serviceproc import Service
 
 SERVICE = "ckptstore_service.cli"
 

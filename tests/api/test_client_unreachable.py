@@ -10,7 +10,7 @@ import torch
 import ckptstore
 from ckptstore import CheckpointClient, CkptStoreError, ServiceUnavailable
 from ckptstore_core.errors import _all_subclasses
-from serviceproc import free_port
+from support.serviceproc import free_port
 
 
 def test_every_error_of_the_tree_is_exported() -> None:

@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 
 from ckptstore_service.api.protocol import BodyPieces, BodyPiecesProtocol
-from serviceproc import free_port
+from support.serviceproc import free_port
 
 
 def test_one_piece_is_passed_on_as_it_is() -> None:

@@ -20,7 +20,9 @@ from ckptstore import CheckpointClient, StorageUnavailable
 from ckptstore.state import tensor_bytes
 from ckptstore_core.wire import FORMAT, encode_header
 from ckptstore_service.storage.local import LocalBlobStore
-from serviceproc import Service, partial_upload
+from support.bodies import partial_upload
+from support.serviceproc import Service
+from support.states import assert_same_state
 
 MiB = 1 << 20
 
@@ -57,12 +59,6 @@ def remount(path: Path, mode: str) -> None:
 def used(path: Path) -> int:
     st = os.statvfs(path)
     return (st.f_blocks - st.f_bfree) * st.f_frsize
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(
-        bytes(tensor_bytes(a[k])) == bytes(tensor_bytes(b[k])) for k in a
-    )
 
 
 def catalog_rows(data_dir: Path) -> list[tuple[int, str]]:
@@ -106,10 +102,11 @@ def test_a_full_blob_disk_fails_the_save_and_the_service_goes_on(
         assert used(blobs) < 2 * MiB  # nothing of the failed saves holds the disk
         assert [c.step for c in client.list("full")] == [1]
         assert catalog_rows(data_dir) == [(1, "committed")]
-        assert same(client.load("full"), small)
+        assert_same_state(small, client.load("full"))
         nxt = {"w": small["w"] + 1}
         client.save("full", 2, nxt)  # the disk has room again
-        assert same(client.load("full", 1), small) and same(client.load("full"), nxt)
+        assert_same_state(small, client.load("full", 1))
+        assert_same_state(nxt, client.load("full"))
 
 
 @pytest.mark.slow
@@ -133,11 +130,12 @@ def test_a_read_only_blob_disk_fails_the_save_with_its_own_error(
             assert info.value.status == 503
             assert catalog_rows(data_dir) == [(1, "committed")]
             assert os.listdir(cache_tmp) == []
-            assert same(client.load("ro"), {"w": w})
+            assert_same_state({"w": w}, client.load("ro"))
         finally:
             remount(blobs, "rw")
         client.save("ro", 2, {"w": w + 1})
-        assert same(client.load("ro", 1), {"w": w}) and same(client.load("ro"), {"w": w + 1})
+        assert_same_state({"w": w}, client.load("ro", 1))
+        assert_same_state({"w": w + 1}, client.load("ro"))
 
 
 @pytest.mark.slow
@@ -166,7 +164,7 @@ def test_a_service_starts_on_a_read_only_blob_disk_with_a_crashed_upload(
     try:
         svc = make_service(env, data_dir)
         with CheckpointClient(svc.url, retries=0) as client:
-            assert same(client.load("crash"), {"w": w})
+            assert_same_state({"w": w}, client.load("crash"))
         svc.stop()
     finally:
         remount(blobs, "rw")
@@ -175,4 +173,4 @@ def test_a_service_starts_on_a_read_only_blob_disk_with_a_crashed_upload(
     assert os.listdir(blobs / ".tmp") == []
     with CheckpointClient(svc.url, retries=0) as client:
         client.save("crash", 2, {"w": w + 1})
-        assert same(client.load("crash", 1), {"w": w})
+        assert_same_state({"w": w}, client.load("crash", 1))

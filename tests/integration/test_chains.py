@@ -3,81 +3,24 @@
 from __future__ import annotations
 
 import copy
-import math
-import random
 import sqlite3
-import struct
 import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import xxhash
-from torch import nn
 
 from ckptstore import CheckpointClient, CheckpointExists, CheckpointNotFound
 from ckptstore import state as state_module
 from ckptstore.state import tensor_bytes, upload_order
 from ckptstore_core.wire import FORMAT, encode_header
-from serviceproc import Service, partial_upload
+from support.bodies import partial_upload
+from support.serviceproc import Service
+from support.states import assert_same_state, training_states
 
 KEYFRAME_INTERVAL = 4
-
-
-def assert_identical(a: Any, b: Any, path: str = "") -> None:
-    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert bytes(tensor_bytes(a)) == bytes(tensor_bytes(b)), path
-    elif isinstance(a, dict):
-        assert list(a) == list(b), path
-        for k in a:
-            assert_identical(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_identical(x, y, f"{path}/{i}")
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
-    elif isinstance(a, float):
-        assert struct.pack("<d", a) == struct.pack("<d", b) or (math.isnan(a) and math.isnan(b))
-    else:
-        assert a == b, path
-
-
-def training_states(n: int) -> list[dict[str, Any]]:
-    """``n`` consecutive checkpoints of a real model trained with AdamW, in mixed dtypes."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 64))
-    frozen = nn.Embedding(512, 64)  # never trained: its chunks should become references
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
-    states = []
-    for step in range(n):
-        for _ in range(5):
-            loss = model(torch.randn(32, 64)).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        sched.step()
-        states.append(
-            copy.deepcopy(
-                {
-                    "model": model.state_dict(),
-                    "frozen": frozen.state_dict(),
-                    "half": {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()},
-                    "optimizer": opt.state_dict(),
-                    "scheduler": sched.state_dict(),
-                    "rng": torch.get_rng_state(),
-                    "python_rng": random.getstate(),
-                    "step": step,
-                    "loss": loss.item(),
-                }
-            )
-        )
-    return states
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +46,8 @@ def test_every_checkpoint_reloads_bit_exactly(
         assert max(i.chain_depth for i in infos) == KEYFRAME_INTERVAL
         assert sum(i.stored_bytes for i in infos) < 0.8 * sum(i.raw_bytes for i in infos)
         for i, state in enumerate(states):  # decoded from storage, through the chains
-            assert_identical(client.load("mlp", 10 * i), state)
-        assert_identical(client.load("mlp"), states[-1])  # latest: from the base cache
+            assert_same_state(state, client.load("mlp", 10 * i))
+        assert_same_state(states[-1], client.load("mlp"))  # latest: from the base cache
         listed = client.list("mlp")
         assert [c.step for c in listed] == [10 * i for i in range(10)]
         assert client.runs()[0].checkpoints == 10
@@ -116,7 +59,7 @@ def test_every_checkpoint_reloads_bit_exactly(
         assert list(cache.glob("*.bin")) == []
         client.load("mlp", 50)  # not the latest: decoded, not cached
         assert list(cache.glob("*.bin")) == []
-        assert_identical(client.load("mlp"), states[-1])  # decoded, and kept as the base
+        assert_same_state(states[-1], client.load("mlp"))  # decoded, and kept as the base
         (cached,) = cache.glob("*.bin")
         assert cached.stat().st_size == infos[-1].raw_bytes
     svc.stop()
@@ -128,8 +71,8 @@ def test_every_checkpoint_reloads_bit_exactly(
         assert info.parent_step == 90 and not info.keyframe
         assert info.stored_bytes < info.raw_bytes / 10  # almost nothing changed
         for i, state in enumerate(states):
-            assert_identical(client.load("mlp", 10 * i), state)
-        assert_identical(client.load("mlp", "latest"), extra)
+            assert_same_state(state, client.load("mlp", 10 * i))
+        assert_same_state(extra, client.load("mlp", "latest"))
 
 
 def test_a_save_overwrites_its_base_file_in_place_and_a_cut_upload_drops_it(
@@ -165,7 +108,7 @@ def test_a_save_overwrites_its_base_file_in_place_and_a_cut_upload_drops_it(
             time.sleep(0.02)
         assert list((cache / "tmp").iterdir()) == []  # half overwritten: dropped
         assert [c.step for c in client.list("ip")] == [1, 2]
-        assert_identical(client.load("ip"), states[1])  # decoded from storage
+        assert_same_state(states[1], client.load("ip"))  # decoded from storage
         client.save("ip", 3, states[2])
         (third,) = cache.glob("*.bin")
         inode = third.stat().st_ino
@@ -176,7 +119,7 @@ def test_a_save_overwrites_its_base_file_in_place_and_a_cut_upload_drops_it(
         (fourth,) = cache.glob("*.bin")
         assert fourth.stat().st_ino != inode
         for step, state in zip((1, 2, 3, 4), [*states[:3], moved], strict=True):
-            assert_identical(client.load("ip", step), state)
+            assert_same_state(state, client.load("ip", step))
 
 
 def test_prefix_idempotent_retry_and_conflict(
@@ -188,18 +131,18 @@ def test_prefix_idempotent_retry_and_conflict(
         assert again == first
         with pytest.raises(CheckpointExists):
             client.save("retry", 7, states[1])
-        assert_identical(client.load("retry", 7), states[0])
+        assert_same_state(states[0], client.load("retry", 7))
         model_only = client.load("retry", 7, prefix="model/")
         assert list(model_only) == ["model"]
-        assert_identical(model_only["model"], states[0]["model"])
+        assert_same_state(states[0]["model"], model_only["model"])
         with pytest.raises(CheckpointNotFound):
             client.load("retry", 8)
         # an older step saved after a newer one gets the right parent, latest stays newest
         client.save("retry", 9, states[2])
         middle = client.save("retry", 8, states[1])
         assert middle.parent_step == 7
-        assert_identical(client.load("retry"), states[2])
-        assert_identical(client.load("retry", 8), states[1])
+        assert_same_state(states[2], client.load("retry"))
+        assert_same_state(states[1], client.load("retry", 8))
 
 
 def test_a_retry_in_another_tensor_order_is_the_same_checkpoint(
@@ -214,7 +157,7 @@ def test_a_retry_in_another_tensor_order_is_the_same_checkpoint(
         assert client.save("order", 1, states[0]) == first
         with pytest.raises(CheckpointExists):
             client.save("order", 1, states[1])
-        assert_identical(client.load("order", 1), states[0])
+        assert_same_state(states[0], client.load("order", 1))
 
 
 def test_many_small_tensors_after_a_large_one(service: Service) -> None:
@@ -226,8 +169,8 @@ def test_many_small_tensors_after_a_large_one(service: Service) -> None:
         client.save("small", 1, state)
         nxt = {k: v * 1.001 if k.startswith("small1") else v for k, v in state.items()}
         client.save("small", 2, nxt)
-        assert_identical(client.load("small", 1), state)
-        assert_identical(client.load("small", 2), nxt)
+        assert_same_state(state, client.load("small", 1))
+        assert_same_state(nxt, client.load("small", 2))
 
 
 def test_bf16_weights_are_predicted_from_their_fp32_master(service: Service) -> None:
@@ -246,14 +189,14 @@ def test_bf16_weights_are_predicted_from_their_fp32_master(service: Service) -> 
         derived = info.stored_bytes - alone.stored_bytes
         bf16_raw = sum(t.numel() * 2 for t in model.values()) + 256 * 1024 * 2
         assert derived < bf16_raw / 50, (derived, bf16_raw)
-        assert_identical(client.load("mixed", 1), state)
+        assert_same_state(state, client.load("mixed", 1))
         only_model = client.load("mixed", 1, prefix="model/")  # needs the master's chunks
-        assert_identical(only_model, {"model": model})
+        assert_same_state({"model": model}, only_model)
         nxt = {**state, "master": {k: v + 0.01 for k, v in master.items()}}
         nxt["model"] = {k: v.to(torch.bfloat16) for k, v in nxt["master"].items()}
         client.save("mixed", 2, nxt)
-        assert_identical(client.load("mixed", 2), nxt)
-        assert_identical(client.load("mixed", 1), state)
+        assert_same_state(nxt, client.load("mixed", 2))
+        assert_same_state(state, client.load("mixed", 1))
 
 
 def test_empty_tensors_reload(service: Service) -> None:
@@ -262,8 +205,8 @@ def test_empty_tensors_reload(service: Service) -> None:
     with CheckpointClient(service.url) as client:
         client.save("empty", 1, state)
         client.save("empty", 2, {**state, "step": 2})
-        assert_identical(client.load("empty", 1), state)  # decoded from storage
-        assert_identical(client.load("empty"), {**state, "step": 2})  # from the base cache
+        assert_same_state(state, client.load("empty", 1))  # decoded from storage
+        assert_same_state({**state, "step": 2}, client.load("empty"))  # from the base cache
 
 
 def test_tensor_checksums_are_the_xxh3_of_their_bytes(

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointClient
-from serviceproc import Service
+from support.serviceproc import Service
 
 ENV = {"CKPTSTORE_CHUNK_BYTES": str(64 << 10)}  # 16384 elements a chunk: several per tensor
 STEPS = 3

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointClient, CkptStoreError, CorruptData
-from serviceproc import Service
+from support.serviceproc import Service
 
 ENV = {"CKPTSTORE_CHUNK_BYTES": str(64 << 10)}  # several chunks per tensor
 

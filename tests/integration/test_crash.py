@@ -13,7 +13,8 @@ import torch
 from ckptstore import CheckpointClient
 from ckptstore_core.wire import FORMAT, encode_header
 from ckptstore_service.catalog import Catalog
-from serviceproc import Service, partial_upload
+from support.bodies import partial_upload
+from support.serviceproc import Service
 
 
 def test_sigkill_mid_upload_leaves_nothing_and_the_retry_works(

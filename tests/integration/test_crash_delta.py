@@ -16,10 +16,10 @@ import httpx
 import torch
 
 from ckptstore import CheckpointClient
-from ckptstore.state import dtype_to_wire, flatten, tensor_bytes, upload_order
-from ckptstore_core.wire import FORMAT, encode_header
 from ckptstore_service.catalog import Catalog
-from serviceproc import Service, partial_upload
+from support.bodies import client_body, partial_upload
+from support.serviceproc import Service
+from support.states import assert_same_state
 
 
 def state_at(step: int) -> dict[str, object]:
@@ -35,30 +35,6 @@ def state_at(step: int) -> dict[str, object]:
     }
 
 
-def body_of(state: object) -> tuple[bytes, int]:
-    """The exact bytes ``CheckpointClient.save`` streams for ``state``, and their length."""
-    flat = flatten(state)
-    ordered = upload_order(flat.tensors)
-    specs = [(n, dtype_to_wire(t.dtype), tuple(t.shape)) for n, t in ordered]
-    prefix, header = encode_header(specs, {"format": FORMAT, "skeleton": flat.skeleton})
-    data = b"".join(bytes(tensor_bytes(t)) for _, t in ordered)
-    return prefix + data, header.total_len
-
-
-def assert_same(a: dict[str, object], b: dict[str, object]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        x, y = a[key], b[key]
-        if isinstance(x, dict):
-            assert isinstance(y, dict)
-            assert_same(x, y)
-        elif isinstance(x, torch.Tensor):
-            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape
-            assert bytes(tensor_bytes(x)) == bytes(tensor_bytes(y)), key
-        else:
-            assert type(x) is type(y) and x == y, key
-
-
 def test_sigkill_mid_delta_save_keeps_the_chain_loadable(
     make_service: Callable[..., Service], tmp_path: Path
 ) -> None:
@@ -69,7 +45,8 @@ def test_sigkill_mid_delta_save_keeps_the_chain_loadable(
             client.save("chain", step, state_at(step))
         assert [c.chain_depth for c in client.list("chain")] == [0, 1, 2]
 
-    body, total = body_of(state_at(4))
+    body, header = client_body(state_at(4))
+    total = header.total_len
     # most of the body: the 4 MiB tensor and part of the next are through the codec and
     # have overwritten the parent's base cache file in place
     sock = partial_upload(svc.url, "chain", 4, body[: total * 3 // 4], total)
@@ -88,11 +65,11 @@ def test_sigkill_mid_delta_save_keeps_the_chain_loadable(
     listed = httpx.get(f"{svc.url}/v1/runs/chain/checkpoints").json()["checkpoints"]
     assert [c["step"] for c in listed] == [1, 2, 3]
     with CheckpointClient(svc.url, retries=0) as client:
-        assert_same(client.load("chain"), state_at(3))  # latest: rebuilt, not the torn file
+        assert_same_state(state_at(3), client.load("chain"))  # latest: rebuilt, not the torn file
         for step in (3, 2, 1):
-            assert_same(client.load("chain", step), state_at(step))
+            assert_same_state(state_at(step), client.load("chain", step))
         info = client.save("chain", 4, state_at(4))
         assert info.parent_step == 3 and not info.keyframe
-        assert_same(client.load("chain"), state_at(4))
-        assert_same(client.load("chain", 4), state_at(4))
-        assert_same(client.load("chain", 3), state_at(3))
+        assert_same_state(state_at(4), client.load("chain"))
+        assert_same_state(state_at(4), client.load("chain", 4))
+        assert_same_state(state_at(3), client.load("chain", 3))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointClient
-from serviceproc import Service
+from support.serviceproc import Service
 
 GiB = 1 << 30
 MiB = 1 << 20

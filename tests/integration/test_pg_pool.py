@@ -20,7 +20,8 @@ import torch
 
 from ckptstore import CheckpointClient
 from ckptstore_core.wire import FORMAT, encode_header
-from serviceproc import Service, partial_upload
+from support.bodies import partial_upload
+from support.serviceproc import Service
 
 pytestmark = pytest.mark.postgres
 

@@ -6,7 +6,6 @@ import os
 import random
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -14,41 +13,16 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from test_chains import assert_identical, training_states
 
 from ckptstore import CheckpointClient
 from ckptstore_core.wire import FORMAT, encode_header
 from ckptstore_service.catalog import Catalog
-from ckptstore_service.storage.s3 import S3BlobStore
-from serviceproc import Service, partial_upload
+from support.bodies import partial_upload
+from support.s3server import s3_store
+from support.serviceproc import Service
+from support.states import assert_same_state, training_states
 
 pytestmark = [pytest.mark.postgres, pytest.mark.s3]
-
-
-@pytest.fixture
-def backends(pg_url: str, s3_endpoint: str) -> dict[str, str]:
-    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
-    return {
-        "CKPTSTORE_DATABASE_URL": pg_url,
-        "CKPTSTORE_BLOB_URL": f"s3://{bucket}/prod",
-        "CKPTSTORE_S3_ENDPOINT_URL": s3_endpoint,
-        "CKPTSTORE_S3_PATH_STYLE": "true",
-        "CKPTSTORE_S3_CREATE_BUCKET": "true",
-        "CKPTSTORE_S3_REGION": "us-east-1",
-        "CKPTSTORE_KEYFRAME_INTERVAL": "4",
-        "CKPTSTORE_CHUNK_BYTES": str(256 << 10),
-        "bucket": bucket,
-    }
-
-
-def s3_store(env: dict[str, str]) -> S3BlobStore:
-    return S3BlobStore(
-        env["bucket"],
-        "prod",
-        endpoint_url=env["CKPTSTORE_S3_ENDPOINT_URL"],
-        path_style=True,
-        region="us-east-1",
-    )
 
 
 @pytest.mark.slow
@@ -67,8 +41,8 @@ def test_two_replicas_share_postgres_and_s3(
     for client in (ca, cb):
         assert [c.step for c in client.list("shared")] == list(range(8))
         for i, state in enumerate(states):
-            assert_identical(client.load("shared", i), state)
-        assert_identical(client.load("shared"), states[-1])
+            assert_same_state(state, client.load("shared", i))
+        assert_same_state(states[-1], client.load("shared"))
     assert s3_store(backends).list_open_uploads() == []
     ca.close()
     cb.close()
@@ -101,7 +75,7 @@ def test_parallel_posts_to_one_run_are_serialized(
         earlier = [e["step"] for e in by_start[:i] if e["step"] < c["step"]]
         assert c["parent_step"] == (max(earlier) if earlier else None)
     for step in steps:
-        assert_identical(clients[(step + 1) % 2].load("race", step), small_state(step))
+        assert_same_state(small_state(step), clients[(step + 1) % 2].load("race", step))
     for c in clients:
         c.close()
 

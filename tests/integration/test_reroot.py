@@ -15,8 +15,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from test_chains import assert_identical, training_states
-from test_production import backends, s3_store  # noqa: F401 - a fixture, and its store
 
 from ckptstore import CheckpointClient
 from ckptstore_core.errors import StorageUnavailable
@@ -24,7 +22,9 @@ from ckptstore_service.catalog import Catalog
 from ckptstore_service.reroot import collect_garbage, reroot, reroot_lock
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
-from serviceproc import Service
+from support.s3server import s3_store
+from support.serviceproc import Service, wait_idle
+from support.states import assert_same_state, training_states
 
 REROOT = 4
 STEPS = 12
@@ -43,14 +43,6 @@ def states() -> list[dict[str, Any]]:
     return training_states(STEPS)
 
 
-def wait_idle(svc: Service, timeout: float = 60.0) -> None:
-    """Until the service has no re-root pass queued or running."""
-    deadline = time.monotonic() + timeout
-    while httpx.get(f"{svc.url}/healthz", timeout=5).json()["maintenance"]:
-        assert time.monotonic() < deadline, "background maintenance did not finish"
-        time.sleep(0.05)
-
-
 def blob_files(data_dir: Path) -> dict[str, int]:
     root = data_dir / "blobs"
     return {
@@ -62,7 +54,7 @@ def blob_files(data_dir: Path) -> dict[str, int]:
 
 def check_all(client: CheckpointClient, states: list[dict[str, Any]], run: str) -> None:
     for step, state in enumerate(states):
-        assert_identical(client.load(run, step), state, f"step {step}")
+        assert_same_state(state, client.load(run, step), path=f"step {step}")
 
 
 def test_reroot_keeps_every_checkpoint_and_the_newest_shallow(
@@ -77,7 +69,7 @@ def test_reroot_keeps_every_checkpoint_and_the_newest_shallow(
     for step, state in enumerate(states):
         client.save("r", step, state)
         plain.save("r", step, state)
-        wait_idle(svc)
+        wait_idle(svc.url)
         infos = client.list("r")
         # the newest checkpoint never stays REROOT deep: the save that made it so re-rooted
         assert infos[-1].chain_depth < REROOT, [i.chain_depth for i in infos]
@@ -114,7 +106,7 @@ def test_reroot_keeps_every_checkpoint_and_the_newest_shallow(
     more = training_states(STEPS + 3)[STEPS:]
     for i, state in enumerate(more):
         client.save("r", STEPS + i, state)
-    wait_idle(svc)
+    wait_idle(svc.url)
     check_all(client, states + more, "r")
 
 
@@ -143,7 +135,7 @@ def test_loads_during_reroots_are_exact(
                     time.sleep(0.01)
                     continue
                 step = rng.randint(0, top)
-                assert_identical(reader.load("r", step), states[step], f"step {step}")
+                assert_same_state(states[step], reader.load("r", step), path=f"step {step}")
                 loads[0] += 1
         except BaseException as exc:
             errors.append(exc)
@@ -157,7 +149,7 @@ def test_loads_during_reroots_are_exact(
             break
         client.save("r", step, state)
         saved.release()
-    wait_idle(svc)
+    wait_idle(svc.url)
     done.set()
     for t in threads:
         t.join(120)
@@ -280,7 +272,7 @@ def test_bf16_copies_and_frozen_tensors_survive(
     client = CheckpointClient(svc.url)
     for step, state in enumerate(states):
         client.save("b", step, state)
-    wait_idle(svc)
+    wait_idle(svc.url)
     assert client.list("b")[-1].chain_depth < REROOT
     check_all(client, states, "b")
 
@@ -300,26 +292,26 @@ def test_a_load_in_progress_survives_the_reroot_of_its_chain(
     client = CheckpointClient(svc.url)
     for step, state in enumerate(states[:REROOT]):
         client.save("g", step, state)
-    wait_idle(svc)
+    wait_idle(svc.url)
     with httpx.stream("GET", f"{svc.url}/v1/runs/g/checkpoints/1", timeout=60) as response:
         assert response.status_code == 200
         body = response.iter_raw(1 << 16)
         first = next(body)  # the restore has its chunk rows, and decodes on as we read
         client.save("g", REROOT, states[REROOT])  # sets off the re-root of steps 0-2
-        wait_idle(svc)
+        wait_idle(svc.url)
         # step 2 is the root now, steps 1 and 0 were rewritten as deltas of their successors
         assert [i.chain_depth for i in client.list("g")] == [2, 1, 0, 1, 2]
         data = first + b"".join(body)
     again = httpx.get(f"{svc.url}/v1/runs/g/checkpoints/1", timeout=60).content
     assert data == again  # the same bytes, the old shape and the new one
-    assert_identical(client.load("g", 1), states[1])
+    assert_same_state(states[1], client.load("g", 1))
 
 
 @pytest.mark.postgres
 @pytest.mark.s3
 def test_two_replicas_on_postgres_and_s3_reroot_one_run(
     make_service: Callable[..., Service],
-    backends: dict[str, str],  # noqa: F811 - the fixture imported above
+    backends: dict[str, str],
     states: list[dict[str, Any]],
 ) -> None:
     """Saves alternate between two replicas, so both maintenance threads go for the same
@@ -336,7 +328,7 @@ def test_two_replicas_on_postgres_and_s3_reroot_one_run(
     for step, state in enumerate(states):
         clients[step % 2].save("both", step, state)
     for svc in replicas:
-        wait_idle(svc)
+        wait_idle(svc.url)
     infos = clients[0].list("both")
     assert infos[-1].chain_depth < REROOT
     for client in clients:
@@ -385,7 +377,7 @@ def test_a_crash_at_any_point_of_a_reroot_loses_nothing(
     w += 1e-3 * torch.randn_like(w)
     states.append({"w": w.clone(), "m": (w * 0.5).clone()})
     client.save("k", len(states) - 1, states[-1])
-    wait_idle(svc)
+    wait_idle(svc.url)
     assert client.list("k")[-1].chain_depth < REROOT
     check_all(client, states, "k")
 
@@ -403,7 +395,7 @@ def test_a_long_chain_stays_within_max_chain_depth(
     seen = []
     for step, state in enumerate(more):
         client.save("long", step, state)
-        wait_idle(svc)
+        wait_idle(svc.url)
         depths = [i.chain_depth for i in client.list("long")]
         assert max(depths) <= limit + 1, depths
         seen.append(depths)

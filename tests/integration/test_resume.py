@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serviceproc import Service
+from support.serviceproc import Service
 
 TRAINER = Path(__file__).with_name("trainer.py")
 

@@ -10,44 +10,16 @@ from __future__ import annotations
 
 import math
 import random
-import struct
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from ckptstore import CheckpointClient
-from ckptstore.state import tensor_bytes
-from serviceproc import Service
-
-
-def assert_identical(a: object, b: object, path: str = "root") -> None:
-    if isinstance(a, torch.Tensor):
-        assert type(b) is torch.Tensor, f"{path}: {type(b)}"
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), path
-        assert bytes(tensor_bytes(a)) == bytes(tensor_bytes(b)), f"{path}: bytes differ"
-        return
-    assert type(a) is type(b), f"{path}: {type(a)} vs {type(b)}"
-    if isinstance(a, float):
-        assert isinstance(b, float) and struct.pack(">d", a) == struct.pack(">d", b), path
-    elif isinstance(a, dict):
-        assert isinstance(b, dict)
-        assert [(type(k), repr(k)) for k in a] == [(type(k), repr(k)) for k in b], path
-        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), path
-        for (k, x), y in zip(a.items(), b.values(), strict=True):
-            assert_identical(x, y, f"{path}/{k!r}")
-    elif isinstance(a, list | tuple):
-        assert isinstance(b, list | tuple) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_identical(x, y, f"{path}[{i}]")
-    elif isinstance(a, np.ndarray):
-        assert isinstance(b, np.ndarray) and (a.dtype, a.shape) == (b.dtype, b.shape), path
-        assert a.tobytes() == b.tobytes(), path
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
+from support.serviceproc import Service
+from support.states import assert_same_state
 
 
 def mlp() -> torch.nn.Module:
@@ -178,7 +150,7 @@ def client(
 def roundtrip(client: CheckpointClient, run: str, state: object) -> Any:
     client.save(run, 1, state)
     back = client.load(run, 1)
-    assert_identical(state, back)
+    assert_same_state(state, back)
     return back
 
 
@@ -208,8 +180,8 @@ def test_awkward_keys_and_leaves(client: CheckpointClient) -> None:
     # the next save of the run is a delta against the first one, and both still load
     state[""] = torch.full((2,), 8.0)
     client.save("leaves", 2, state)
-    assert_identical(state, client.load("leaves"))
-    assert_identical(leaves()["counter"], client.load("leaves", 1)["counter"])
+    assert_same_state(state, client.load("leaves"))
+    assert_same_state(leaves()["counter"], client.load("leaves", 1)["counter"])
 
 
 def test_prefix_load_of_a_tensor_tied_outside_the_prefix(
@@ -223,14 +195,14 @@ def test_prefix_load_of_a_tensor_tied_outside_the_prefix(
     with CheckpointClient(make_service().url, retries=0) as client:
         client.save("tied-prefix", 1, state)
         back = client.load("tied-prefix", prefix="model/lm_head")
-        assert_identical({"model": {"lm_head.weight": emb}}, back)
+        assert_same_state({"model": {"lm_head.weight": emb}}, back)
         newer = {"model": {"wte.weight": emb + 1, "lm_head.weight": emb + 1}}
         client.save("tied-prefix", 2, newer)
-        assert_identical(
+        assert_same_state(
             {"model": {"lm_head.weight": emb}},
             client.load("tied-prefix", 1, prefix="model/lm_head"),
         )
         back = client.load("tied-prefix", prefix="model/lm")
-        assert_identical({"model": {"lm_head.weight": emb + 1}}, back)
+        assert_same_state({"model": {"lm_head.weight": emb + 1}}, back)
         both = client.load("tied-prefix", 1, prefix="model/")
         assert both["model"]["lm_head.weight"] is both["model"]["wte.weight"]

@@ -31,8 +31,8 @@ from ckptstore.state import (
     unflatten,
     upload_order,
 )
+from support.states import assert_same_state
 
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 WIRE_DTYPES = {
     "BOOL": torch.bool,
     "U8": torch.uint8,
@@ -88,66 +88,6 @@ def roundtrip(obj: object, *, as_body: bool = True) -> Any:
 
 def raw(t: torch.Tensor) -> bytes:
     return bytes(tensor_bytes(t))
-
-
-def tie_key(t: torch.Tensor) -> tuple[object, ...]:
-    storage = t.untyped_storage()
-    if storage.nbytes() == 0:
-        return ("object", id(t))
-    return (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-
-
-class Identical:
-    """Deep comparison that treats every difference as one: types, order, bits, and ties."""
-
-    def __init__(self, strict: bool = True) -> None:
-        self.strict = strict
-        self.ties: dict[object, object] = {}
-        self.back: dict[object, object] = {}
-
-    def check(self, a: object, b: object, path: str = "") -> None:
-        assert type(a) is type(b), f"{path}: {type(a)} vs {type(b)}"
-        if isinstance(a, torch.Tensor):
-            assert isinstance(b, torch.Tensor)
-            assert a.dtype == b.dtype and a.shape == b.shape, path
-            assert b.device.type == "cpu", path
-            assert raw(a) == raw(b), path
-            if a.dtype not in FP8 and (not a.is_floating_point() or not a.isnan().any()):
-                assert torch.equal(a.cpu(), b), path
-            # Tied before <=> the same object after (strict), or sharing memory after.
-            key, key_b = tie_key(a), (id(b) if self.strict else tie_key(b))
-            assert self.ties.setdefault(key, key_b) == key_b, f"{path}: tie lost"
-            assert self.back.setdefault(key_b, key) == key, f"{path}: spurious tie"
-        elif isinstance(a, dict):
-            assert isinstance(b, dict)
-            assert len(a) == len(b), path
-            for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True):
-                self.check(ka, kb, f"{path}/<key {ka!r}>")
-                self.check(va, vb, f"{path}/{ka!r}")
-            assert hasattr(a, "_metadata") == hasattr(b, "_metadata"), path
-            if hasattr(a, "_metadata"):
-                self.check(getattr(a, "_metadata"), getattr(b, "_metadata"), f"{path}/<_metadata>")  # noqa: B009
-        elif isinstance(a, list | tuple):
-            assert isinstance(b, list | tuple)
-            assert len(a) == len(b), path
-            for i, (x, y) in enumerate(zip(a, b, strict=True)):
-                self.check(x, y, f"{path}/{i}")
-        elif isinstance(a, np.ndarray):
-            assert isinstance(b, np.ndarray)
-            assert (a.dtype.str, a.shape) == (b.dtype.str, b.shape), path
-            assert a.tobytes() == b.tobytes(), path
-        elif isinstance(a, np.generic):
-            assert isinstance(b, np.generic)
-            assert a.tobytes() == b.tobytes(), path
-        elif isinstance(a, float):
-            assert struct.pack("<d", a) == struct.pack("<d", b), f"{path}: {a!r} vs {b!r}"
-        else:
-            assert a == b, f"{path}: {a!r} vs {b!r}"
-
-
-def assert_identical(a: object, b: object, *, strict: bool = True) -> None:
-    """``b`` equals ``a`` exactly; ``strict``: tensors tied in ``a`` are one object in ``b``."""
-    Identical(strict).check(a, b)
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
@@ -214,7 +154,7 @@ def test_training_state_roundtrip_exact() -> None:
     assert isinstance(state["model"], OrderedDict)
     assert list(state["optimizer"]["state"]) == [0, 1, 2, 3, 4]  # int keys
     for as_body in (True, False):
-        assert_identical(state, roundtrip(state, as_body=as_body))
+        assert_same_state(state, roundtrip(state, as_body=as_body))
 
 
 def test_training_state_resumes() -> None:
@@ -243,8 +183,8 @@ def test_training_state_resumes() -> None:
     torch.set_rng_state(state["rng"]["torch"])
     assert after[0] == random.random() and after[1] == np.random.random()
     assert torch.equal(after[2], torch.rand(3))
-    assert_identical(opt.state_dict(), fresh_opt.state_dict(), strict=False)
-    assert_identical(model.state_dict(), fresh.state_dict(), strict=False)
+    assert_same_state(opt.state_dict(), fresh_opt.state_dict(), same_objects=False)
+    assert_same_state(model.state_dict(), fresh.state_dict(), same_objects=False)
 
 
 # ------------------------------------------------------------------------------- dtypes
@@ -302,7 +242,7 @@ def test_every_dtype_and_shape_roundtrips(code: str) -> None:
         assert len(data) == t.numel() * dtype.itemsize, name
         assert bytes(data) == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     back = roundtrip(tensors)
-    assert_identical(tensors, back)
+    assert_same_state(tensors, back)
     assert {n: (t.dtype, tuple(t.shape)) for n, t in back.items()} == {
         n: (dtype, tuple(t.shape)) for n, t in tensors.items() if isinstance(t, torch.Tensor)
     }
@@ -428,10 +368,10 @@ def test_colliding_names_are_disambiguated() -> None:
     flat = flatten(state)
     assert [n for n, _ in flat.tensors] == ["d/0", "d/0~2", "d/True", "e/x/1", "e/x~0", "e/x~11"]
     back = unflatten(flat.skeleton, send(flat))
-    assert_identical(state, back)
+    assert_same_state(state, back)
     state2 = {0: a, "0": b, "0~2": c}
     assert names_of(state2) == ["0", "0~2", "0~02"]
-    assert_identical(state2, roundtrip(state2))
+    assert_same_state(state2, roundtrip(state2))
 
 
 def test_tied_tensors_sent_once_and_stay_tied() -> None:
@@ -452,7 +392,7 @@ def test_tied_tensors_sent_once_and_stay_tied() -> None:
     assert back["b"]["same_object"] is back["a"]
     assert back["b"]["same_view"] is back["a"] and back["b"]["detached"] is back["a"]
     assert back["not_tied"]["transposed"] is not back["a"]
-    assert_identical(state, back)
+    assert_same_state(state, back)
 
 
 def test_empty_tensors_tie_only_by_identity() -> None:
@@ -533,7 +473,7 @@ def test_scalar_leaves_roundtrip_exactly() -> None:
         "aliases": [torch.float, torch.half, torch.long, torch.cfloat],
     }
     back = roundtrip(state)
-    assert_identical(state, back)
+    assert_same_state(state, back)
     assert math.copysign(1, back["floats"][1]) == -1
     # Nothing in the skeleton is non-standard JSON.
     json.loads(flatten(state).skeleton, parse_constant=lambda c: pytest.fail(c))
@@ -551,13 +491,13 @@ def test_key_types_are_kept() -> None:
         "": "empty",
     }
     back = roundtrip(state)
-    assert_identical(state, back)
+    assert_same_state(state, back)
     assert [type(k) for k in back] == [int, str, bool, type(None), float, float, int, str]
-    assert_identical({-0.0: "negzero"}, roundtrip({-0.0: "negzero"}))
-    assert_identical({math.nan: 1, -math.nan: 2}, roundtrip({math.nan: 1, -math.nan: 2}))
-    assert_identical({1: "a"}, roundtrip({1: "a"}))
-    assert_identical({True: "a"}, roundtrip({True: "a"}))
-    assert_identical({1.0: "a"}, roundtrip({1.0: "a"}))
+    assert_same_state({-0.0: "negzero"}, roundtrip({-0.0: "negzero"}))
+    assert_same_state({math.nan: 1, -math.nan: 2}, roundtrip({math.nan: 1, -math.nan: 2}))
+    assert_same_state({1: "a"}, roundtrip({1: "a"}))
+    assert_same_state({True: "a"}, roundtrip({True: "a"}))
+    assert_same_state({1.0: "a"}, roundtrip({1.0: "a"}))
 
 
 def test_containers_keep_their_kind_and_order() -> None:
@@ -571,13 +511,13 @@ def test_containers_keep_their_kind_and_order() -> None:
         "plain_od": OrderedDict(x=1),
     }
     back = roundtrip(state)
-    assert_identical(state, back)
+    assert_same_state(state, back)
     assert back["od"]._metadata == {"": {"version": 2}}
     assert not hasattr(back["plain_od"], "_metadata")
-    assert_identical((), roundtrip(()))
-    assert_identical([], roundtrip([]))
-    assert_identical(None, roundtrip(None))
-    assert_identical(7, roundtrip(7))
+    assert_same_state((), roundtrip(()))
+    assert_same_state([], roundtrip([]))
+    assert_same_state(None, roundtrip(None))
+    assert_same_state(7, roundtrip(7))
 
 
 NP_DTYPES = [
@@ -614,7 +554,7 @@ def test_numpy_arrays_and_scalars(dt: str) -> None:
         "scalar": arr.reshape(-1)[0] if d.isnative else None,
     }
     back = roundtrip(state)
-    assert_identical(state, back)
+    assert_same_state(state, back)
     assert back["arr"].flags.writeable
     if d.isnative:
         assert type(back["scalar"]) is d.type
@@ -631,7 +571,7 @@ def test_numpy_scalar_types() -> None:
     ]
     state += [np.longdouble(1) / 3, np.complex64(1 - 2j), np.int8(-1), np.uint64(2**64 - 1)]
     back = roundtrip(state)
-    assert_identical(state, back)
+    assert_same_state(state, back)
     assert [type(x) for x in back] == [type(x) for x in state]
 
 
@@ -642,7 +582,7 @@ def test_large_numpy_array_travels_as_a_tensor() -> None:
     assert [n for n, _ in flat.tensors] == ["rng/big"]
     assert len(flat.skeleton) < 300_000
     back = unflatten(flat.skeleton, send(flat))
-    assert_identical({"rng": {"big": big, "swapped": swapped}}, back)
+    assert_same_state({"rng": {"big": big, "swapped": swapped}}, back)
     assert referenced_tensors(flat.skeleton) == ["rng/big"]
 
 
@@ -656,7 +596,7 @@ def test_rng_states_roundtrip() -> None:
         "generator": gen.get_state(),
     }
     back = roundtrip(state)
-    assert_identical(state, back)
+    assert_same_state(state, back)
     rs = np.random.RandomState()
     rs.set_state(back["numpy"])
     assert rs.random() == np.random.RandomState(7).random()
@@ -748,7 +688,7 @@ def test_cycles_are_rejected() -> None:
     with pytest.raises(ValueError, match="cycle at 'self/0'"):
         flatten(d)
     shared = [1, 2]
-    assert_identical({"a": shared, "b": shared}, roundtrip({"a": shared, "b": shared}))
+    assert_same_state({"a": shared, "b": shared}, roundtrip({"a": shared, "b": shared}))
 
 
 def test_metadata_may_not_hold_tensors() -> None:
@@ -783,21 +723,21 @@ def load(flat: FlatState, prefix: str) -> Any:
 def test_prefix_keeps_the_subtree_and_its_ancestors() -> None:
     state = prefix_state()
     flat = flatten(state)
-    assert_identical({"model": state["model"]}, load(flat, "model/"))
-    assert_identical({"model": state["model"], "modelx": state["modelx"]}, load(flat, "model"))
-    assert_identical(
+    assert_same_state({"model": state["model"]}, load(flat, "model/"))
+    assert_same_state({"model": state["model"], "modelx": state["modelx"]}, load(flat, "model"))
+    assert_same_state(
         {"optimizer": {"state": state["optimizer"]["state"]}}, load(flat, "optimizer/state/")
     )
-    assert_identical(
+    assert_same_state(
         {"optimizer": {"param_groups": [{"lr": 0.1}]}}, load(flat, "optimizer/param_groups/0/lr")
     )
-    assert_identical({"model": {"tup": (state["model"]["tup"][0],)}}, load(flat, "model/tup/0"))
-    assert_identical({"step": 5}, load(flat, "step"))
-    assert_identical({"e": {}}, load(flat, "e"))
+    assert_same_state({"model": {"tup": (state["model"]["tup"][0],)}}, load(flat, "model/tup/0"))
+    assert_same_state({"step": 5}, load(flat, "step"))
+    assert_same_state({"e": {}}, load(flat, "e"))
     # List ancestors are compacted: only the kept elements remain.
-    assert_identical({"layers": [{"w": state["layers"][1]["w"]}]}, load(flat, "layers/1/"))
-    assert_identical({}, load(flat, "nothing/"))
-    assert_identical(state, load(flat, ""))
+    assert_same_state({"layers": [{"w": state["layers"][1]["w"]}]}, load(flat, "layers/1/"))
+    assert_same_state({}, load(flat, "nothing/"))
+    assert_same_state(state, load(flat, ""))
     assert referenced_tensors(flat.skeleton, "model/") == ["model/w", "model/sub/b", "model/tup/0"]
     assert referenced_tensors(flat.skeleton, "nothing/") == []
 
@@ -999,7 +939,7 @@ def test_property_roundtrip(state: object, as_body: bool) -> None:
     names = [n for n, _ in flat.tensors]
     assert len(names) == len(set(names))
     assert sorted(referenced_tensors(flat.skeleton)) == sorted(names)
-    assert_identical(state, unflatten(flat.skeleton, send(flat, as_body=as_body)))
+    assert_same_state(state, unflatten(flat.skeleton, send(flat, as_body=as_body)))
     # Deterministic: the same state flattens to the same names and skeleton.
     again = flatten(state)
     assert again.skeleton == flat.skeleton and [n for n, _ in again.tensors] == names
@@ -1037,7 +977,7 @@ def test_property_prefix(state: object, prefix: str) -> None:
     needed = referenced_tensors(flat.skeleton, prefix)
     assert set(needed) <= set(wire)
     back = unflatten(flat.skeleton, {n: wire[n] for n in needed}, prefix=prefix)
-    assert_identical(prune(full, prefix), back)
+    assert_same_state(prune(full, prefix), back)
 
 
 def test_uploads_send_wider_then_larger_tensors_first() -> None:

@@ -12,6 +12,9 @@ The child process is the default: it keeps moto's global state (and any ``mock_a
 other tests) apart, and does not compete with the code under test for this process's GIL. It
 exits by itself when this process goes away, since it lives until its stdin closes.
 Failure to start raises, so tests that depend on it fail rather than skip.
+
+``s3_store(env)`` opens the store that a service started with ``env`` writes to, to look
+at what it left in the bucket.
 """
 
 from __future__ import annotations
@@ -25,8 +28,13 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
-__all__ = ["fake_aws_credentials", "start_moto"]
+if TYPE_CHECKING:
+    from ckptstore_service.storage.s3 import S3BlobStore
+
+__all__ = ["fake_aws_credentials", "s3_store", "start_moto"]
 
 _CHILD = """
 import logging, sys
@@ -130,3 +138,19 @@ def fake_aws_credentials() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = old
+
+
+def s3_store(env: dict[str, str]) -> S3BlobStore:
+    """The S3 store (bucket and prefix of ``CKPTSTORE_BLOB_URL``) that a service started
+    with the settings ``env`` uses."""
+    from ckptstore_service.storage.s3 import S3BlobStore
+
+    url = urlsplit(env["CKPTSTORE_BLOB_URL"])
+    assert url.scheme == "s3", url
+    return S3BlobStore(
+        url.netloc,
+        url.path.strip("/"),
+        endpoint_url=env["CKPTSTORE_S3_ENDPOINT_URL"],
+        path_style=True,
+        region=env.get("CKPTSTORE_S3_REGION", "us-east-1"),
+    )

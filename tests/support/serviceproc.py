@@ -6,13 +6,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-__all__ = ["Service", "eventually", "free_port"]
+from support.waiting import poll, wait_until
+
+__all__ = ["Service", "free_port", "wait_idle"]
 
 
 def free_port() -> int:
@@ -23,7 +23,7 @@ def free_port() -> int:
 
 
 class Service:
-    """``ckptstore serve`` in a child process; ``env`` adds CKPTSTORE_* settings."""
+    """``ckptstore-service serve`` in a child process; ``env`` adds CKPTSTORE_* settings."""
 
     def __init__(self, data_dir: Path, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
@@ -51,18 +51,20 @@ class Service:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"service exited early:\n{self.log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        if poll(self._up, timeout, interval=0.1):
+            return self
         self.stop()
         raise RuntimeError(f"service did not start:\n{self.log.read_text()[-4000:]}")
+
+    def _up(self) -> bool:
+        """/healthz answers 200; RuntimeError if the process has exited."""
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"service exited early:\n{self.log.read_text()[-4000:]}")
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
 
     @property
     def pid(self) -> int:
@@ -107,30 +109,11 @@ class Service:
         self.stop()
 
 
-def partial_upload(url: str, run: str, step: int, sent: bytes, total_len: int) -> socket.socket:
-    """POST ``total_len`` bytes announced but only ``sent`` written; the socket stays open.
+def wait_idle(url: str, timeout: float = 60.0) -> None:
+    """Until the service at ``url`` reports no re-root pass queued or running (/healthz's
+    ``maintenance``: the runs whose pass waits out its quiet time or runs)."""
 
-    Close it to simulate a client that disconnects mid-upload, or keep it open to hold the
-    upload (and the run's lock) in progress.
-    """
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
-    sock.sendall(
-        f"POST /v1/runs/{run}/checkpoints/{step} HTTP/1.1\r\nHost: {host}\r\n"
-        f"Content-Type: application/octet-stream\r\nContent-Length: {total_len}\r\n\r\n".encode()
-        + sent
-    )
-    return sock
+    def idle() -> bool:
+        return not httpx.get(f"{url}/healthz", timeout=30).json()["maintenance"]
 
-
-def eventually(check: Callable[[], None], timeout: float = 5.0) -> None:
-    """Retry ``check`` until it passes (the service notices a hang-up asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            check()
-            return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+    wait_until(idle, timeout, "the service's background maintenance finished", interval=0.02)
