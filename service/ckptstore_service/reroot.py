@@ -38,13 +38,13 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import IO, Any
 
 from ckptstore_core import codec
 from ckptstore_core.errors import CorruptData, RunNotFound
-from ckptstore_service.catalog import CheckpointRecord, ChunkInfo
+from ckptstore_service.catalog import CheckpointRecord, CheckpointUpdate, ChunkInfo, ChunkUpdate
 from ckptstore_service.chains import ChainDecoder, Piece, WindowReader
 from ckptstore_service.names import blob_key
 from ckptstore_service.runtime import Runtime
@@ -315,7 +315,7 @@ def reroot(
         registered = list(new_keys.values())
         garbage_ids = rt.catalog.add_garbage(run, registered, due)
         old_keys = {ck: info_of[ck].blob_key for ck in owners}  # as the blobs were read
-        placed: dict[int, dict[str, Any]] = {}  # the owners' rows, in their new blobs
+        placed: dict[int, ChunkUpdate] = {}  # the owners' rows, in their new blobs
         stored: dict[int, int] = {}
         for ck in owners:
             if stop is not None and stop.is_set():
@@ -382,7 +382,7 @@ def _commit(
     rt: Runtime,
     run: str,
     spools: _Spools,
-    placed: dict[int, dict[str, Any]],
+    placed: dict[int, ChunkUpdate],
     stored: dict[int, int],
     new_keys: dict[int, str],
     old_keys: dict[int, str],
@@ -399,25 +399,24 @@ def _commit(
         chain_depth = max((depth.get(c.id, c.depth) for c in rows), default=0)
         # a keyframe holds no deltas: its chunks are whole (or copies of whole masters)
         whole = all(
-            depth.get(c.id, c.depth)
-            <= (codec.split_cast(updates.get(c.id, {}).get("codec", c.codec)) is not None)
+            depth.get(c.id, c.depth) <= (codec.split_cast(updates.get(c.id, c).codec) is not None)
             for c in rows
         )
         checkpoints.append(
-            {
-                "id": ck,
-                "old_blob_key": old_keys.get(ck, info_of[ck].blob_key),
-                "blob_key": new_keys.get(ck, info_of[ck].blob_key),
-                "stored_bytes": stored.get(ck, info_of[ck].stored_bytes),
-                "chain_depth": chain_depth,
-                "keyframe": whole,
-            }
+            CheckpointUpdate(
+                id=ck,
+                old_blob_key=old_keys.get(ck, info_of[ck].blob_key),
+                blob_key=new_keys.get(ck, info_of[ck].blob_key),
+                stored_bytes=stored.get(ck, info_of[ck].stored_bytes),
+                chain_depth=chain_depth,
+                keyframe=whole,
+            )
         )
         for c in rows:
             if c.id in updates:
-                updates[c.id]["depth"] = depth.get(c.id, updates[c.id]["depth"])
+                updates[c.id] = replace(updates[c.id], depth=depth.get(c.id, updates[c.id].depth))
             elif depth.get(c.id, c.depth) != c.depth:
-                updates[c.id] = _row(c, depth=depth[c.id])
+                updates[c.id] = replace(ChunkUpdate.of(c), depth=depth[c.id])
     rt.catalog.commit_reroot(
         run,
         chunks=list(updates.values()),
@@ -450,25 +449,12 @@ def _delete_blob(rt: Runtime, key: str) -> None:
     rt.store.delete(key)
 
 
-def _row(c: ChunkInfo, **changes: Any) -> dict[str, Any]:
-    row = {
-        "id": c.id,
-        "codec": c.codec,
-        "base_id": c.base_id,
-        "depth": c.depth,
-        "blob_offset": c.blob_offset,
-        "stored_len": c.stored_len,
-    }
-    row.update(changes)
-    return row
-
-
 def _rewrite_blob(
     rt: Runtime,
     checkpoint_id: int,
     spools: _Spools,
     key: str,
-    updates: dict[int, dict[str, Any]],
+    updates: dict[int, ChunkUpdate],
 ) -> int:
     """Write checkpoint ``checkpoint_id``'s new blob (its rewritten chunks from the spool,
     the others copied from its old blob); record every row's new place in ``updates``."""
@@ -481,17 +467,10 @@ def _rewrite_blob(
             new = spools.chunks.get(c.id)
             if new is None:
                 data: Buffer = reader.get(c.blob_key, c.blob_offset, c.blob_offset + c.stored_len)
-                row = _row(c, blob_offset=offset)
+                row = replace(ChunkUpdate.of(c), blob_offset=offset)
             else:
                 data = spools.read(checkpoint_id, new)
-                row = _row(
-                    c,
-                    codec=new.codec,
-                    base_id=new.base_id,
-                    depth=new.depth,
-                    blob_offset=offset,
-                    stored_len=new.size,
-                )
+                row = ChunkUpdate(c.id, new.codec, new.base_id, new.depth, offset, new.size)
             updates[c.id] = row
             offset += len(data)
             if len(data):

@@ -18,7 +18,6 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 from sqlalchemy import Engine
 
@@ -26,12 +25,21 @@ from ckptstore_core.records import RunInfo
 from ckptstore_service.catalog import checkpoints, garbage, graph, uploads
 from ckptstore_service.catalog.db import Database, shown_url
 from ckptstore_service.catalog.locks import Purpose, open_run_locks
-from ckptstore_service.catalog.records import CheckpointRecord, ChunkInfo, NewChunk, TensorInfo
+from ckptstore_service.catalog.records import (
+    CheckpointRecord,
+    CheckpointUpdate,
+    ChunkInfo,
+    ChunkUpdate,
+    NewChunk,
+    TensorInfo,
+)
 
 __all__ = [
     "Catalog",
     "CheckpointRecord",
+    "CheckpointUpdate",
     "ChunkInfo",
+    "ChunkUpdate",
     "NewChunk",
     "RunInfo",
     "TensorInfo",
@@ -194,22 +202,19 @@ class Catalog:
         self,
         run: str,
         *,
-        chunks: Sequence[Mapping[str, Any]],
-        checkpoints: Sequence[Mapping[str, Any]],
+        chunks: Sequence[ChunkUpdate],
+        checkpoints: Sequence[CheckpointUpdate],
         written: Sequence[int],
         retired: Sequence[str],
         not_before: datetime,
     ) -> None:
-        """Make a re-root visible, in one transaction (:func:`.garbage.commit_reroot`)."""
-        garbage.commit_reroot(
-            self._db,
-            run,
-            chunks=chunks,
-            checkpoints=checkpoints,
-            written=written,
-            retired=retired,
-            not_before=not_before,
-        )
+        """Make a re-root visible, in one transaction: the ``chunks``' and the
+        ``checkpoints``' new rows, the garbage rows of the blobs it ``written`` (ids)
+        dropped, the ``retired`` blobs garbage from ``not_before``. Raises CorruptData,
+        changing nothing, if a checkpoint changed meanwhile (:func:`.garbage.commit_reroot`
+        states the contract)."""
+        changes = garbage.RerootChanges(chunks, checkpoints, written, retired, not_before)
+        garbage.commit_reroot(self._db, run, changes)
 
     def warm_up(self) -> None:
         """Run the load path's queries once on ids that do not exist: SQLAlchemy compiles a

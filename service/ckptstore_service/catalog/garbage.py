@@ -8,9 +8,9 @@ after, and never one that a checkpoint names (:func:`blob_in_use`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import bindparam, delete, func, insert, select, update
 
@@ -18,8 +18,10 @@ from ckptstore_core.errors import CorruptData
 from ckptstore_service.catalog.checkpoints import ensure_run
 from ckptstore_service.catalog.db import Database
 from ckptstore_service.catalog.models import Base, Checkpoint, Chunk, Garbage, Run
+from ckptstore_service.catalog.records import CheckpointUpdate, ChunkUpdate
 
 __all__ = [
+    "RerootChanges",
     "add_garbage",
     "blob_in_use",
     "commit_reroot",
@@ -29,8 +31,8 @@ __all__ = [
 ]
 
 _CHUNKS = Base.metadata.tables[Chunk.__tablename__]
-# what a re-root changes of a chunk row; its id, raw bytes and checksum stay
-_REROOT_FIELDS = ("codec", "base_id", "depth", "blob_offset", "stored_len")
+# ChunkUpdate's fields: "id" names the row, a re-root sets the others
+_FIELDS = tuple(f.name for f in fields(ChunkUpdate))
 
 
 def add_garbage(db: Database, run: str, keys: Iterable[str], not_before: datetime) -> list[int]:
@@ -79,55 +81,59 @@ def forget_garbage(db: Database, key: str) -> None:
         s.execute(delete(Garbage).where(Garbage.blob_key == key))
 
 
-def commit_reroot(
-    db: Database,
-    run: str,
-    *,
-    chunks: Sequence[Mapping[str, Any]],
-    checkpoints: Sequence[Mapping[str, Any]],
-    written: Sequence[int],
-    retired: Sequence[str],
-    not_before: datetime,
-) -> None:
-    """Make a re-root visible, in one transaction: the chunk rows' new ``codec``,
-    ``base_id``, ``depth``, ``blob_offset`` and ``stored_len`` (keys ``id`` and those),
-    the checkpoints' new ``blob_key``, ``stored_bytes``, ``chain_depth`` and ``keyframe``
-    (keys ``id``, ``old_blob_key`` and those), the garbage rows of the ``written`` blobs
-    (ids) dropped, the ``retired`` blobs garbage from ``not_before``. Raises
-    CorruptData, changing nothing, if a checkpoint's blob is not ``old_blob_key`` any
-    more."""
+@dataclass(frozen=True, slots=True)
+class RerootChanges:
+    """Everything one re-root commit changes."""
+
+    chunks: Sequence[ChunkUpdate]  # the rewritten chunks, and those whose depth follows
+    checkpoints: Sequence[CheckpointUpdate]  # those holding such chunks
+    written: Sequence[int]  # the garbage rows (ids) of the new blobs: dropped
+    retired: Sequence[str]  # the replaced blobs: garbage from ``not_before``
+    not_before: datetime
+
+
+def commit_reroot(db: Database, run: str, changes: RerootChanges) -> None:
+    """Make a re-root visible, in one transaction: the chunks' and the checkpoints' new
+    rows, the new blobs' garbage rows dropped, the replaced blobs named as garbage.
+
+    Called under the run's lock (no save commits meanwhile), after every new blob is
+    durable. Raises CorruptData, changing nothing, if a checkpoint's blob is not its
+    ``old_blob_key`` any more, or if a collector took a new blob's garbage row (the blob
+    may be gone): the caller then deletes what it wrote.
+    """
     run_id = ensure_run(db, run)
     with db.session() as s:
-        for ck in checkpoints:
-            current = s.scalar(select(Checkpoint.blob_key).where(Checkpoint.id == ck["id"]))
-            if current != ck["old_blob_key"]:
-                raise CorruptData(f"checkpoint {ck['id']} changed during its re-root")
-        if chunks:
+        for ck in changes.checkpoints:
+            current = s.scalar(select(Checkpoint.blob_key).where(Checkpoint.id == ck.id))
+            if current != ck.old_blob_key:
+                raise CorruptData(f"checkpoint {ck.id} changed during its re-root")
+        if changes.chunks:
             s.execute(
                 update(_CHUNKS)
                 .where(_CHUNKS.c.id == bindparam("b_id"))
-                .values({f: bindparam(f"b_{f}") for f in _REROOT_FIELDS}),
-                [{f"b_{k}": v for k, v in row.items()} for row in chunks],
+                .values({f: bindparam(f"b_{f}") for f in _FIELDS if f != "id"}),
+                [{f"b_{f}": getattr(u, f) for f in _FIELDS} for u in changes.chunks],
             )
-        for ck in checkpoints:
+        for ck in changes.checkpoints:
             s.execute(
                 update(Checkpoint)
-                .where(Checkpoint.id == ck["id"])
+                .where(Checkpoint.id == ck.id)
                 .values(
-                    blob_key=ck["blob_key"],
-                    stored_bytes=ck["stored_bytes"],
-                    chain_depth=ck["chain_depth"],
-                    keyframe=ck["keyframe"],
+                    blob_key=ck.blob_key,
+                    stored_bytes=ck.stored_bytes,
+                    chain_depth=ck.chain_depth,
+                    keyframe=ck.keyframe,
                 )
             )
-        if written:
+        if changes.written:
             taken = s.execute(
-                delete(Garbage).where(Garbage.id.in_(list(written))).returning(Garbage.id)
+                delete(Garbage).where(Garbage.id.in_(list(changes.written))).returning(Garbage.id)
             ).all()
-            if len(taken) != len(written):  # a collector took one: it may be gone
+            if len(taken) != len(changes.written):  # a collector took one: it may be gone
                 raise CorruptData("a blob of this re-root was collected before its commit")
-        if retired:
+        if changes.retired:
+            due = changes.not_before
             s.execute(
                 insert(Garbage),
-                [{"run_id": run_id, "blob_key": k, "not_before": not_before} for k in retired],
+                [{"run_id": run_id, "blob_key": k, "not_before": due} for k in changes.retired],
             )

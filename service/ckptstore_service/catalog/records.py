@@ -1,5 +1,10 @@
 """The catalog's records: frozen dataclasses, never ORM objects, so that a caller holds no
-session (and no connection) across a long upload or load."""
+session (and no connection) across a long upload or load.
+
+What the catalog returns (:class:`CheckpointRecord`, :class:`TensorInfo`, :class:`ChunkInfo`)
+and what callers hand it: a save's rows (:class:`TensorInfo`, :class:`NewChunk`), a re-root's
+changes to committed rows (:class:`ChunkUpdate`, :class:`CheckpointUpdate`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,14 @@ from dataclasses import dataclass
 
 from ckptstore_core.records import CheckpointInfo
 
-__all__ = ["CheckpointRecord", "ChunkInfo", "NewChunk", "TensorInfo"]
+__all__ = [
+    "CheckpointRecord",
+    "CheckpointUpdate",
+    "ChunkInfo",
+    "ChunkUpdate",
+    "NewChunk",
+    "TensorInfo",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,3 +68,39 @@ class ChunkInfo(NewChunk):
     id: int
     blob_key: str  # of its checkpoint
     checkpoint_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkUpdate:
+    """A re-root's change to a committed chunk: how it is stored from its commit on.
+
+    Only these fields change. The row keeps its id, its slice of its tensor, its raw length
+    and checksum: the base ids of later chunks that point at it stay valid.
+    """
+
+    id: int
+    codec: str
+    base_id: int | None
+    depth: int
+    blob_offset: int  # in its checkpoint's (new) blob
+    stored_len: int
+
+    @classmethod
+    def of(cls, chunk: ChunkInfo) -> ChunkUpdate:
+        """``chunk`` stored as it is now: change fields with :func:`dataclasses.replace`."""
+        return cls(
+            chunk.id, chunk.codec, chunk.base_id, chunk.depth, chunk.blob_offset, chunk.stored_len
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointUpdate:
+    """A re-root's change to a committed checkpoint: its blob and the figures that follow
+    from its chunks' new encodings."""
+
+    id: int
+    old_blob_key: str  # the blob the re-root read: the commit fails if it is not this any more
+    blob_key: str  # its blob from the commit on (``old_blob_key`` if it was not rewritten)
+    stored_bytes: int
+    chain_depth: int
+    keyframe: bool
