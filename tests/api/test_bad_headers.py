@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import struct
-import time
 
 import httpx
 import pytest
@@ -23,9 +22,11 @@ from support.bodies import (
     chunked_upload,
     framed,
     skeleton,
+    uploading,
+    wait_consumed,
 )
 from support.serviceproc import Service
-from support.waiting import eventually
+from support.waiting import eventually, wait_until
 
 W_JSON = b'{"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}'
 DATA = bytes(range(24))
@@ -135,7 +136,8 @@ def test_chunked_upload_cut_mid_tensor_by_a_disconnect(
     sock = chunked_upload(
         service.url, run, [body[i : i + 65536] for i in range(0, n // 2, 65536)], False
     )
-    time.sleep(0.2)
+    wait_consumed(sock)  # the service has read all that was sent, and waits for the rest
+    wait_until(lambda: run in uploading(service), what="the upload began")
     sock.close()
 
     def nothing_left() -> None:

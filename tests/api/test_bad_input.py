@@ -34,10 +34,12 @@ from support.bodies import (
     post,
     read_response,
     stored_data,
+    uploading,
     valid_body,
+    wait_consumed,
 )
 from support.serviceproc import Service
-from support.waiting import eventually
+from support.waiting import eventually, poll, wait_until
 
 MiB = 1 << 20
 META = meta_for("w", "b")
@@ -328,7 +330,9 @@ def test_client_disconnects_mid_upload(
     prefix, data = valid_body(seed=5, tensors=layout)
     body = prefix + data
     sock = partial_upload(service.url, run, 1, body[:sent], len(body), timeout=10)
-    time.sleep(0.2)
+    wait_consumed(sock)  # the service has read all that was sent, and waits for the rest
+    if sent >= len(prefix):  # it has the header: the upload is in progress
+        wait_until(lambda: run in uploading(service), what=f"the upload of {run} began")
     sock.close()  # no response to read: the client is gone
 
     def nothing_left() -> None:
@@ -442,14 +446,13 @@ def test_stalled_uploads_do_not_starve_the_service(make_service: Callable[..., S
             return False
 
     try:
-        time.sleep(0.5)
+        # every upload has begun: the service waits for the rest of 45 bodies
+        wait_until(lambda: len(uploading(svc)) == 45, what="45 uploads began")
         healthy_while_stalled = answers()
     finally:
         for sock in socks:
             sock.close()
-    deadline = time.monotonic() + 3
-    while not (healthy_after := answers()) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    healthy_after = poll(answers, 3, interval=0.2)
     if not healthy_after:
         svc.kill()  # wedged: do not wait for a graceful stop
     assert healthy_while_stalled, "healthz hung while 45 uploads were stalled"

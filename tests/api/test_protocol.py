@@ -8,7 +8,6 @@ import json
 import os
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +16,7 @@ import uvicorn
 
 from ckptstore_service.api.protocol import BodyPieces, BodyPiecesProtocol
 from support.serviceproc import free_port
+from support.waiting import wait_until
 
 
 def test_one_piece_is_passed_on_as_it_is() -> None:
@@ -65,10 +65,7 @@ def server() -> Iterator[int]:
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not srv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
+    wait_until(lambda: srv.started, 10, "uvicorn started", interval=0.01)
     yield port
     srv.should_exit = True
     thread.join(10)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -165,25 +164,36 @@ def test_run_lock_serializes_writers_across_catalogs(database_url: str) -> None:
     one, two = Catalog(database_url), Catalog(database_url)
     one.upgrade()
     order: list[str] = []
-    holding = threading.Event()
+    holding, release, second_done = threading.Event(), threading.Event(), threading.Event()
 
-    def writer() -> None:
+    def first() -> None:
         with one.run_lock("shared"):
             holding.set()
-            time.sleep(0.5)
+            release.wait(30)  # holds the lock until the test has seen the second one wait
             order.append("one")
 
-    t = threading.Thread(target=writer)
+    def second() -> None:
+        with two.run_lock("shared"):
+            order.append("two")
+        second_done.set()
+
+    t = threading.Thread(target=first)
     t.start()
-    holding.wait(5)
+    assert holding.wait(5)
     if one.is_postgres:  # across processes only the database can tell
         with two.run_lock("shared", blocking=False) as held:
             assert not held
         with two.run_lock("other", blocking=False) as held:
             assert held  # another run is not blocked
-    with two.run_lock("shared"):
-        order.append("two")
+    u = threading.Thread(target=second)
+    u.start()
+    # that something does not happen takes a time window: the second writer must not get
+    # the lock within 0.5 s while the first one holds it, and gets it once it is released
+    assert not second_done.wait(0.5), "two writers held the run's lock at once"
+    release.set()
     t.join()
+    assert second_done.wait(30)
+    u.join()
     assert order == ["one", "two"]
     one.close()
     two.close()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import sqlite3
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from ckptstore_service.storage.local import LocalBlobStore
 from support.bodies import partial_upload
 from support.serviceproc import Service
 from support.states import assert_same_state
+from support.waiting import wait_until
 
 MiB = 1 << 20
 
@@ -154,9 +154,7 @@ def test_a_service_starts_on_a_read_only_blob_disk_with_a_crashed_upload(
     prefix, header = encode_header([("w", "F32", (1 << 20,))], {"format": FORMAT})
     body = prefix + bytes(tensor_bytes(w + 1))[: 3 * MiB]
     sock = partial_upload(svc.url, "crash", 2, body, header.total_len)
-    deadline = time.monotonic() + 20
-    while not os.listdir(blobs / ".tmp") and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: os.listdir(blobs / ".tmp"), what="the upload's blob was begun")
     svc.kill()
     sock.close()
     assert catalog_rows(data_dir) == [(1, "committed"), (2, "writing")]

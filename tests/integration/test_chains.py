@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import sqlite3
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,7 @@ from ckptstore_core.wire import FORMAT, encode_header
 from support.bodies import partial_upload
 from support.serviceproc import Service
 from support.states import assert_same_state, training_states
+from support.waiting import wait_until
 
 KEYFRAME_INTERVAL = 4
 
@@ -99,13 +99,10 @@ def test_a_save_overwrites_its_base_file_in_place_and_a_cut_upload_drops_it(
         prefix, header = encode_header([("w", "F32", (n,))], {"format": FORMAT})
         new = tensor_bytes(states[2]["w"])
         sock = partial_upload(svc.url, "ip", 3, prefix + bytes(new[: 2 * n]), header.total_len)
-        deadline = time.monotonic() + 20
-        while list(cache.glob("*.bin")) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: not list(cache.glob("*.bin")), what="the save took its base")
         assert list(cache.glob("*.bin")) == []  # taken out of the cache: loads miss
         sock.close()
-        while list((cache / "tmp").iterdir()) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: not list((cache / "tmp").iterdir()), what="the torn base dropped")
         assert list((cache / "tmp").iterdir()) == []  # half overwritten: dropped
         assert [c.step for c in client.list("ip")] == [1, 2]
         assert_same_state(states[1], client.load("ip"))  # decoded from storage

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from ckptstore_core.wire import FORMAT, encode_header
 from ckptstore_service.catalog import Catalog
 from support.bodies import partial_upload
 from support.serviceproc import Service
+from support.waiting import wait_until
 
 
 def test_sigkill_mid_upload_leaves_nothing_and_the_retry_works(
@@ -28,12 +28,9 @@ def test_sigkill_mid_upload_leaves_nothing_and_the_retry_works(
     prefix, header = encode_header([("w", "U8", (n,))], {"format": FORMAT})
     sock = partial_upload(svc.url, "crash", 2, prefix + os.urandom(n // 2), header.total_len)
     catalog = Catalog(f"sqlite:///{data / 'catalog.sqlite3'}")
-    deadline = time.monotonic() + 20
-    while not catalog.uploads_in_progress() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(catalog.uploads_in_progress, what="the upload began")
     temp = data / "blobs" / ".tmp"
-    while not any(temp.iterdir()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: any(temp.iterdir()), what="the upload's blob was begun")
     assert catalog.uploads_in_progress() and any(temp.iterdir())
     svc.kill()
     sock.close()

@@ -8,7 +8,6 @@ bit-exactly, hide the partial one, and take a new delta save on top of the last 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,10 +15,12 @@ import httpx
 import torch
 
 from ckptstore import CheckpointClient
+from ckptstore.state import tensor_bytes
 from ckptstore_service.catalog import Catalog
 from support.bodies import client_body, partial_upload
 from support.serviceproc import Service
 from support.states import assert_same_state
+from support.waiting import wait_until
 
 
 def state_at(step: int) -> dict[str, object]:
@@ -45,17 +46,34 @@ def test_sigkill_mid_delta_save_keeps_the_chain_loadable(
             client.save("chain", step, state_at(step))
         assert [c.chain_depth for c in client.list("chain")] == [0, 1, 2]
 
-    body, header = client_body(state_at(4))
+    new = state_at(4)
+    body, header = client_body(new)
     total = header.total_len
     # most of the body: the 4 MiB tensor and part of the next are through the codec and
     # have overwritten the parent's base cache file in place
     sock = partial_upload(svc.url, "chain", 4, body[: total * 3 // 4], total)
     catalog = Catalog(f"sqlite:///{data / 'catalog.sqlite3'}")
-    deadline = time.monotonic() + 20
-    while not catalog.uploads_in_progress() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(catalog.uploads_in_progress, what="the upload began")
     assert catalog.uploads_in_progress()
-    time.sleep(0.5)  # let the ingest get well into the body
+    # the save took its parent's cache file (it left slot-0 for slot-0/tmp) and rewrites it
+    # in place: wait until the 4 MiB tensor's new bytes are in it
+    (w,) = [t for t in header.tensors if t.name == "model/w"]
+    new_w = bytes(tensor_bytes(new["model"]["w"]))
+    assert w.end - w.begin == len(new_w) == 4 << 20
+    taken = data / "cache" / "slot-0" / "tmp"
+
+    def base_overwritten() -> bool:
+        for path in taken.iterdir():
+            try:
+                with open(path, "rb") as f:
+                    f.seek(w.begin)
+                    if f.read(len(new_w)) == new_w:
+                        return True
+            except FileNotFoundError:  # another file of the folder, gone meanwhile
+                pass
+        return False
+
+    wait_until(base_overwritten, what="the ingest rewrote the 4 MiB tensor of its base")
     svc.kill()
     sock.close()
 

@@ -22,6 +22,7 @@ from ckptstore import CheckpointClient
 from ckptstore_core.wire import FORMAT, encode_header
 from support.bodies import partial_upload
 from support.serviceproc import Service
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.postgres
 
@@ -58,9 +59,7 @@ def test_uploads_in_progress_do_not_starve_other_requests(
             socks.append(
                 partial_upload(svc.url, f"held-{i}", 1, prefix + b"\0" * 64, header.total_len)
             )
-        deadline = time.monotonic() + 20
-        while _held_locks(pg_url) < HELD and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: _held_locks(pg_url) >= HELD, what=f"{HELD} run locks held", interval=0.1)
         assert _held_locks(pg_url) == HELD  # every upload holds its run's lock
 
         t0 = time.perf_counter()
@@ -74,9 +73,7 @@ def test_uploads_in_progress_do_not_starve_other_requests(
     finally:
         for sock in socks:
             sock.close()
-    deadline = time.monotonic() + 20
-    while _held_locks(pg_url) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: _held_locks(pg_url) == 0, what="every run lock released", interval=0.1)
     assert _held_locks(pg_url) == 0  # the abandoned uploads released their locks
     assert svc.healthy()
 

@@ -21,6 +21,7 @@ from support.bodies import partial_upload
 from support.s3server import s3_store
 from support.serviceproc import Service
 from support.states import assert_same_state, training_states
+from support.waiting import wait_until
 
 pytestmark = [pytest.mark.postgres, pytest.mark.s3]
 
@@ -86,8 +87,13 @@ def test_other_runs_proceed_while_one_upload_holds_its_run(
     a, b = make_service(backends), make_service(backends)
     prefix, header = encode_header([("w", "F32", (1 << 20,))], {"format": FORMAT})
     held = partial_upload(a.url, "busy", 1, prefix + b"\0" * 1000, header.total_len)
+    catalog = Catalog(backends["CKPTSTORE_DATABASE_URL"])
     try:
-        time.sleep(0.5)  # replica a now holds run "busy"
+        # the upload's writing row is made under its run's lock: replica a now holds "busy"
+        wait_until(
+            lambda: [r for _, r, *_ in catalog.uploads_in_progress()] == ["busy"],
+            what="replica a began the upload of run busy",
+        )
         t0 = time.perf_counter()
         with CheckpointClient(b.url) as client:
             client.save("free", 1, small_state(1))  # another run: not blocked
@@ -104,6 +110,7 @@ def test_other_runs_proceed_while_one_upload_holds_its_run(
         assert not done.wait(2.0)  # the same run waits for the upload in progress
     finally:
         held.close()  # the client goes away mid-upload: its lock is released
+        catalog.close()
     assert done.wait(30)
     waiter.join()
     listed = httpx.get(f"{b.url}/v1/runs/busy/checkpoints").json()["checkpoints"]
@@ -120,9 +127,7 @@ def test_killed_mid_upload_leaves_nothing_after_restart(
     prefix, header = encode_header([("w", "U8", (n,))], {"format": FORMAT})
     sock = partial_upload(a.url, "crash", 5, prefix + os.urandom(n // 2), header.total_len)
     store = s3_store(backends)
-    deadline = time.monotonic() + 30
-    while not store.list_open_uploads() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(store.list_open_uploads, 30, "the upload reached S3", interval=0.1)
     assert store.list_open_uploads(), "the upload never reached S3"
     a.kill()  # SIGKILL mid-upload: no clean-up runs
     sock.close()

@@ -131,8 +131,9 @@ def test_loads_during_reroots_are_exact(
             while not done.is_set() or loads[0] < 40:
                 while saved.acquire(blocking=False):
                     top += 1
-                if top < 0:
-                    time.sleep(0.01)
+                if top < 0:  # nothing saved yet: wait for the first save
+                    if saved.acquire(timeout=1):
+                        top += 1
                     continue
                 step = rng.randint(0, top)
                 assert_same_state(states[step], reader.load("r", step), path=f"step {step}")
@@ -364,6 +365,8 @@ def test_a_crash_at_any_point_of_a_reroot_loses_nothing(
     client = CheckpointClient(svc.url)
     for step, state in enumerate(states):
         client.save("k", step, state)  # the last one sets off the re-root
+    # not a wait for something: the re-root runs on in the background for ``delay`` seconds,
+    # so that the SIGKILL lands at one point of it or another
     time.sleep(delay)
     svc.kill()
     svc.start()

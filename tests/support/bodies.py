@@ -10,7 +10,9 @@ the two-tensor layout ``TENSORS`` that most malformed cases start from.
 
 Sending: ``partial_upload`` and ``chunked_upload`` write a request on a raw socket and leave
 it open (a client that stalls or hangs up), ``read_response`` reads the answer,
-``client_for`` and ``post`` go through one keep-alive httpx client per service.
+``wait_consumed`` waits until the service has read every byte sent, ``uploading`` lists
+the uploads it has begun; ``client_for`` and ``post`` go through one keep-alive httpx
+client per service.
 
 Checking: ``assert_error`` (status, JSON error code and message), ``assert_nothing_stored``
 (invariant 6: no run, no checkpoint, no blob), ``stored_data`` (the data section served).
@@ -24,11 +26,13 @@ import re
 import socket
 import struct
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import httpx
 
 from ckptstore_core.wire import FORMAT, Header, encode_header
 from support.serviceproc import Service
+from support.waiting import wait_until
 
 __all__ = [
     "B",
@@ -50,7 +54,9 @@ __all__ = [
     "run_names",
     "skeleton",
     "stored_data",
+    "uploading",
     "valid_body",
+    "wait_consumed",
 ]
 
 Layout = Sequence[tuple[str, str, Sequence[int]]]
@@ -178,6 +184,49 @@ def read_response(sock: socket.socket, timeout: float) -> tuple[int, dict[str, o
             break
         body += piece
     return status, json.loads(body[:length])
+
+
+def _queues(local: tuple[str, int], remote: tuple[str, int]) -> tuple[int, int] | None:
+    """(send queue, receive queue) in bytes of the IPv4 TCP socket ``local`` <-> ``remote``
+    of this machine, from /proc/net/tcp; None if there is no such socket."""
+
+    def hexed(addr: tuple[str, int]) -> str:
+        return f"{socket.inet_aton(addr[0])[::-1].hex().upper()}:{addr[1]:04X}"
+
+    want = (hexed(local), hexed(remote))
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if (fields[1], fields[2]) == want:
+            tx, rx = fields[4].split(":")
+            return int(tx, 16), int(rx, 16)
+    return None
+
+
+def wait_consumed(sock: socket.socket, timeout: float = 20.0) -> None:
+    """Until the peer of ``sock`` (a service on this machine) has read every byte written to
+    it: nothing in flight in our send queue, nothing unread in the service's receive queue.
+    What a test waits for before it hangs up "in the middle" of a request, or checks the
+    service while clients stall."""
+    here, there = sock.getsockname()[:2], sock.getpeername()[:2]
+
+    def consumed() -> bool:
+        ours, theirs = _queues(here, there), _queues(there, here)
+        assert ours is not None and theirs is not None, "socket not found in /proc/net/tcp"
+        return ours[0] == 0 and theirs[1] == 0
+
+    wait_until(consumed, timeout, f"the service read all that was sent on {here}")
+
+
+def uploading(service: Service) -> list[str]:
+    """The runs whose upload ``service`` has begun and not ended (their ``writing`` rows in
+    its SQLite catalog): it has read their header, and waits for or works on their data."""
+    from ckptstore_service.catalog import Catalog
+
+    catalog = Catalog(f"sqlite:///{service.data_dir / 'catalog.sqlite3'}")
+    try:
+        return [run for _, run, *_ in catalog.uploads_in_progress()]
+    finally:
+        catalog.close()
 
 
 # -- talking to a service through httpx --------------------------------------------------------
