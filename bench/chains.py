@@ -48,8 +48,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models
-from ckptstore_core import codec, planes
 from ckptstore.state import flatten
+from ckptstore_core import codec, planes
 
 CHUNK = 4 << 20
 Chunks = dict[tuple[str, int], tuple[bytes, int]]

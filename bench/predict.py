@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models
-from ckptstore_core.codec import chunk_step, encode_chunk
 from ckptstore.state import flatten
+from ckptstore_core.codec import chunk_step, encode_chunk
 
 CHUNK = 4 << 20
 
