@@ -1,0 +1,167 @@
+"""torch.distributed.checkpoint through a real service: FSDP2 / HSDP ranks (gloo on CPU)
+save with ``CkptStoreWriter``, load with ``CkptStoreReader`` into other world sizes, resume
+bit-identically, and one process reads the full state without a process group.
+
+Ranks are forked from the test process (tests/support/dcp_ranks.py); the model is a few
+KB, so each test is dominated by process-group start-up.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckptstore import CheckpointClient, CheckpointExists
+from ckptstore.dcp import METADATA_KEY, CkptStoreWriter, load_full, metadata_from_json
+from support import dcp_ranks
+from support.serviceproc import Service
+from support.states import assert_same_state
+
+SAVES = [2, 4, 6]
+STEPS = 9  # the uninterrupted run trains on past the last save
+
+
+def _full(path: Path) -> Any:
+    return torch.load(path, weights_only=True)
+
+
+def _plain(state: Any) -> Any:
+    """``state`` with OrderedDicts as dicts (a load assembles plain dicts)."""
+    if isinstance(state, dict):
+        return {k: _plain(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_plain(v) for v in state]
+    return state
+
+
+@pytest.fixture(scope="module")
+def saved(service: Service, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """4 FSDP2 ranks train 9 steps and save steps 2, 4 and 6 to run ``fsdp``; the folder
+    holds full-{step}.pt (the gathered full state at each save) and each rank's losses."""
+    out = tmp_path_factory.mktemp("dcp-saved")
+    dcp_ranks.launch(dcp_ranks.save_run, 4, service.url, "fsdp", str(out), SAVES, STEPS)
+    yield out
+
+
+def test_four_ranks_commit_each_save_once_with_json_metadata(service: Service, saved: Path) -> None:
+    listed = httpx.get(f"{service.url}/v1/runs/fsdp/checkpoints").json()["checkpoints"]
+    assert [c["step"] for c in listed] == SAVES
+    assert [c["parent_step"] for c in listed] == [None, 2, 4]
+    info = httpx.get(f"{service.url}/v1/runs/fsdp/checkpoints/latest/info").json()
+    assert info["checkpoint"]["step"] == 6
+    assert info["checkpoint"].get("parts", 4) == 4
+    metadata = metadata_from_json(info["metadata"][METADATA_KEY])  # JSON, never a pickle
+    names = {t["name"] for t in info["tensors"]}
+    assert names == {s.name for s in metadata.storage_data.values()}
+    assert "model.embed.weight@4,0" in names  # rank 1's rows of the 16-row embedding
+    assert "optim.param_groups.0.lr@bytes" in names
+    # the same shards under the same names: the later saves are stored as deltas
+    assert all(c["stored_bytes"] < c["raw_bytes"] for c in listed)
+
+
+@pytest.mark.parametrize("world", [2, 3, 1])
+def test_load_into_another_world_size_is_bit_exact(
+    service: Service, saved: Path, tmp_path: Path, world: int
+) -> None:
+    dcp_ranks.launch(dcp_ranks.load_run, world, service.url, "fsdp", str(tmp_path), SAVES, [])
+    for step in SAVES:
+        assert_same_state(
+            _full(saved / f"full-{step}.pt"),
+            _full(tmp_path / f"loaded-{world}-{step}.pt"),
+            path=f"step {step}",
+        )
+
+
+def test_resume_on_four_ranks_is_bit_identical_and_reads_a_quarter(
+    service: Service, saved: Path, tmp_path: Path
+) -> None:
+    after = list(range(SAVES[-1] + 1, STEPS + 1))
+    dcp_ranks.launch(dcp_ranks.load_run, 4, service.url, "fsdp", str(tmp_path), ["latest"], after)
+    assert_same_state(_full(saved / "full-6.pt"), _full(tmp_path / "loaded-4-latest.pt"))
+    for rank in range(4):
+        straight = json.loads((saved / f"losses-{rank}.json").read_text())
+        resumed = json.loads((tmp_path / f"resumed-{rank}.json").read_text())
+        assert resumed == {str(s): straight[str(s)] for s in after}, f"rank {rank}"
+    # each rank fetched its own shards plus the replicated items (scalars, bytes), and the
+    # shards of the four ranks plus one copy of the replicated items are the checkpoint
+    fetched = [
+        json.loads((tmp_path / f"fetched-4-{rank}.json").read_text())["latest"] for rank in range(4)
+    ]
+    replicated = {got - own for got, own in fetched}
+    assert len(replicated) == 1
+    raw = CheckpointClient(service.url).list("fsdp")[-1].raw_bytes
+    assert sum(own for _, own in fetched) + replicated.pop() == raw
+
+
+def test_one_process_loads_the_full_state(service: Service, saved: Path) -> None:
+    with CheckpointClient(service.url) as client:
+        for step in SAVES:
+            expected = _plain(_full(saved / f"full-{step}.pt"))
+            assert_same_state(expected, client.load("fsdp", step), path=f"step {step}")
+        model_only = client.load("fsdp", 4, prefix="model.")
+    assert list(model_only) == ["model"]
+    assert_same_state(_plain(_full(saved / "full-4.pt"))["model"], model_only["model"])
+    assert_same_state(_plain(_full(saved / "full-6.pt")), load_full(service.url, "fsdp"))
+
+
+def test_a_committed_step_is_not_written_again(service: Service, saved: Path) -> None:
+    state = {"w": torch.ones(3)}
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save(state, storage_writer=CkptStoreWriter(service.url, "fsdp", 2), no_dist=True)
+    assert [type(e) for e, _ in caught.value.failures.values()] == [CheckpointExists]
+    assert [c.step for c in CheckpointClient(service.url).list("fsdp")] == SAVES
+
+
+def test_hsdp_stores_one_replica(make_service: Any, tmp_path: Path) -> None:
+    """HSDP on a 2x2 mesh (replicate x shard) stores the bytes a 2-rank FSDP save of the
+    same state stores: DCP's dedup writes each replicated shard once. (Untrained, so both
+    hold the same values: HSDP trained on 4 ranks' batches would not.)"""
+    service = make_service()
+    dcp_ranks.launch(dcp_ranks.save_once, 4, service.url, "hsdp", str(tmp_path), True, 0)
+    dcp_ranks.launch(dcp_ranks.save_once, 2, service.url, "fsdp2", str(tmp_path), False, 0)
+    with CheckpointClient(service.url) as client:
+        hsdp, fsdp = client.list("hsdp")[0], client.list("fsdp2")[0]
+        assert (hsdp.raw_bytes, hsdp.tensors) == (fsdp.raw_bytes, fsdp.tensors)
+        assert hsdp.stored_bytes == fsdp.stored_bytes
+        full = _plain(_full(tmp_path / "full-hsdp.pt"))
+        assert_same_state(full, client.load("hsdp", 1))
+    names = {
+        t["name"]: t["shape"]
+        for t in httpx.get(f"{service.url}/v1/runs/hsdp/checkpoints/1/info").json()["tensors"]
+    }
+    assert names["model.embed.weight@0,0"] == [8, 8]  # sharded 2-way, not 4-way
+    assert "model.embed.weight@4,0" not in names
+
+
+# the process executor spawns a checkpoint process per rank, which imports torch afresh:
+# 25-60 s on the shared 2-core host
+@pytest.mark.parametrize("executor", ["thread", pytest.param("process", marks=pytest.mark.slow)])
+def test_async_save_lands_loadable_checkpoints(
+    make_service: Any, tmp_path: Path, executor: str
+) -> None:
+    service = make_service()
+    run = f"async-{executor}"
+    dcp_ranks.launch(dcp_ranks.async_run, 2, service.url, run, str(tmp_path), executor)
+    with CheckpointClient(service.url) as client:
+        assert [c.step for c in client.list(run)] == [1, 2]
+        for step in (1, 2):
+            expected = _plain(_full(tmp_path / f"full-{step}.pt"))
+            assert_same_state(expected, client.load(run, step), path=f"step {step}")
+    stalls = json.loads((tmp_path / "stalls.json").read_text())
+    print(f"dcp.async_save ({executor} executor) returned after {stalls} s")
+
+
+def test_plain_checkpoints_still_load_flat(service: Service) -> None:
+    with CheckpointClient(service.url) as client:
+        state = OrderedDict(w=torch.arange(4.0))
+        client.save("plain", 1, state)
+        assert_same_state(state, client.load("plain", 1))

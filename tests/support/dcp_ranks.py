@@ -1,0 +1,231 @@
+"""What each rank of the DCP tests runs: a tiny transformer-ish model under FSDP2 (or HSDP)
+with AdamW on CPU/gloo, saved and loaded through ``ckptstore.dcp``.
+
+``launch(fn, world, *args)`` forks ``world`` ranks of ``fn(rank, world, port, *args)`` from
+the test process (fork: the ranks reuse its imported torch instead of importing it again,
+which costs ~5-10 s per rank on a loaded 2-core host) and raises a rank's error. Ranks hand
+their results back as files in an output folder (``torch.save``: test scratch only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from ckptstore.dcp import CkptStoreReader, CkptStoreWriter
+from support.serviceproc import free_port
+
+VOCAB, DIM, HIDDEN = 16, 8, 12
+
+
+class Tiny(nn.Module):
+    """Embedding, two Linears and a LayerNorm (~470 parameters), plus a bf16 buffer
+    (replicated: not sharded by FSDP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.l1 = nn.Linear(DIM, HIDDEN)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.l2 = nn.Linear(HIDDEN, VOCAB)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 4, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.l1(self.embed(x)))
+        return self.l2(self.norm(h)) * self.scale.float().mean()
+
+
+def launch(fn: Any, world: int, *args: Any) -> None:
+    port = free_port()
+    mp.start_processes(fn, args=(world, port, *args), nprocs=world, start_method="fork")
+
+
+def init(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.pop("OMP_NUM_THREADS", None)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+
+
+def build(seed: int = 0, hsdp: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Tiny()
+    mesh = None
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for layer in (model.l1, model.l2):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    return model, opt
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> str:
+    """One step on this rank's batch of ``step`` (the same on every run); the loss's bits."""
+    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    x = torch.randint(0, VOCAB, (4, 6), generator=gen)
+    y = torch.randint(0, VOCAB, (4, 6), generator=gen)
+    loss = nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return struct.pack("<f", loss.item()).hex()
+
+
+def sharded(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def gathered(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The full state on rank 0 (empty elsewhere), as evaluation would want it."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(model, opt, options=options)
+    return {"model": msd, "optim": osd}
+
+
+def local_shard_bytes(state: dict[str, Any]) -> int:
+    """Bytes of this rank's DTensor shards in ``state``."""
+    total = 0
+
+    def visit(node: Any) -> None:
+        nonlocal total
+        if isinstance(node, DTensor):
+            local = node.to_local()
+            total += local.numel() * local.element_size()
+        elif isinstance(node, dict):
+            for v in node.values():
+                visit(v)
+
+    visit(state)
+    return total
+
+
+# -------------------------------------------------------------------------------- scenarios
+
+
+def save_run(
+    rank: int, world: int, port: int, url: str, run: str, out: str, saves: list[int], steps: int
+) -> None:
+    """Train ``steps`` steps, saving with dcp.save after each step in ``saves`` (and
+    gathering the full state then); the losses of every step go to losses-{rank}.json."""
+    init(rank, world, port)
+    model, opt = build()
+    writer = CkptStoreWriter(url, run)
+    losses = {}
+    for step in range(1, steps + 1):
+        losses[step] = train_step(model, opt, step)
+        if step in saves:
+            dcp.save(sharded(model, opt), storage_writer=writer, checkpoint_id=step)
+            full = gathered(model, opt)
+            if rank == 0:
+                torch.save(full, Path(out) / f"full-{step}.pt")
+    Path(out, f"losses-{rank}.json").write_text(json.dumps(losses))
+    dist.destroy_process_group()
+
+
+def load_run(
+    rank: int,
+    world: int,
+    port: int,
+    url: str,
+    run: str,
+    out: str,
+    loads: list[int | str],
+    then_train: list[int],
+) -> None:
+    """Load each of ``loads`` into a fresh model of ``world`` ranks, gathering the full state
+    (rank 0: loaded-{world}-{step}.pt) and noting the bytes each rank fetched; then train
+    the steps ``then_train`` from the last one loaded (losses in resumed-{rank}.json)."""
+    init(rank, world, port)
+    model, opt = build(seed=1234)  # other values than the saved ones
+    fetched = {}
+    for step in loads:
+        state = sharded(model, opt)
+        reader = CkptStoreReader(url, run, step)
+        dcp.load(state, storage_reader=reader)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        fetched[str(step)] = [reader.bytes_read, local_shard_bytes(state)]
+        full = gathered(model, opt)
+        if rank == 0:
+            torch.save(full, Path(out) / f"loaded-{world}-{step}.pt")
+    Path(out, f"fetched-{world}-{rank}.json").write_text(json.dumps(fetched))
+    losses = {step: train_step(model, opt, step) for step in then_train}
+    Path(out, f"resumed-{rank}.json").write_text(json.dumps(losses))
+    dist.destroy_process_group()
+
+
+def save_once(
+    rank: int, world: int, port: int, url: str, run: str, out: str, hsdp: bool, steps: int
+) -> None:
+    """``steps`` training steps, then one dcp.save as step 1 (FSDP, or HSDP on 2x2)."""
+    init(rank, world, port)
+    model, opt = build(hsdp=hsdp)
+    for step in range(1, steps + 1):
+        train_step(model, opt, step)
+    dcp.save(sharded(model, opt), storage_writer=CkptStoreWriter(url, run, 1))
+    full = gathered(model, opt)
+    if rank == 0:
+        torch.save(full, Path(out) / f"full-{run}.pt")
+    dist.destroy_process_group()
+
+
+def async_run(
+    rank: int, world: int, port: int, url: str, run: str, out: str, executor: str
+) -> None:
+    """Two dcp.async_save calls (steps 1 and 2), the second step's training beside the first
+    upload; rank 0 gathers the full state saved and notes the time until control came back."""
+    import time
+
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    init(rank, world, port)
+    model, opt = build()
+    # the upload's collectives run beside training's: on a group of their own (as DCP advises)
+    group = dist.new_group(backend="gloo")
+    kind = AsyncCheckpointerType(executor)
+    writer = CkptStoreWriter(url, run)
+    stalls = []
+    futures = []
+    for step in (1, 2):
+        train_step(model, opt, step)  # overlaps the previous step's upload
+        full = gathered(model, opt)
+        if rank == 0:
+            torch.save(full, Path(out) / f"full-{step}.pt")
+        if futures:  # one save in flight: two at once would interleave their collectives
+            futures[-1].result()  # type: ignore[union-attr]
+        start = time.perf_counter()
+        futures.append(
+            dcp.async_save(
+                sharded(model, opt),
+                storage_writer=writer,
+                checkpoint_id=step,
+                process_group=group,
+                async_checkpointer_type=kind,
+            )
+        )
+        stalls.append(time.perf_counter() - start)
+    for future in futures:
+        future.result()  # type: ignore[union-attr]
+    dist.barrier()
+    if rank == 0:
+        Path(out, "stalls.json").write_text(json.dumps(stalls))
+    dist.destroy_process_group()
