@@ -50,6 +50,7 @@ class CheckpointInfo(_Record):
     stored_bytes: int  # bytes in blob storage
     tensors: int
     created: datetime
+    parts: int = 1  # how many writers (ranks) it was written by, committed once
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptstore_core.errors import CkptStoreError, InternalError, InvalidRequest
+from ckptstore_service.api import parts
 from ckptstore_service.api.routes import router, unrouted
 from ckptstore_service.reroot import Maintenance
 from ckptstore_service.runtime import Runtime
@@ -60,6 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         swagger_ui_parameters={"validatorUrl": None},
     )
     app.include_router(router)
+    app.include_router(parts.router)
 
     @app.exception_handler(CkptStoreError)
     async def on_domain_error(_: Request, exc: CkptStoreError) -> JSONResponse:

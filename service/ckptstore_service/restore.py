@@ -17,12 +17,12 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import xxhash
 
-from ckptstore_core.errors import CorruptData
+from ckptstore_core.errors import CorruptData, InvalidRequest
 from ckptstore_core.wire import encode_header
 from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog, CheckpointRecord, TensorInfo
@@ -52,13 +52,26 @@ class Loader:
         self._cache = cache
         self._source = source
 
-    def open(self, run: str, step: int | None, prefix: str | None) -> Restore:
-        """Resolve a checkpoint and start its stream (raises the not-found errors, and any
-        error before the first piece, up front)."""
+    def open(
+        self,
+        run: str,
+        step: int | None,
+        prefix: str | None,
+        names: Collection[str] | None = None,
+    ) -> Restore:
+        """Resolve a checkpoint and start its stream of the tensors under ``prefix``, or of
+        the tensors ``names`` (InvalidRequest if one is not in the checkpoint), or of all
+        (raises the not-found errors, and any error before the first piece, up front)."""
         info = self._catalog.get(run, step)
         tensors = self._catalog.tensors(info.id)
         if prefix:
             tensors = [t for t in tensors if t.name.startswith(prefix)]
+        if names is not None:
+            wanted = set(names)
+            tensors = [t for t in tensors if t.name in wanted]
+            if len(tensors) != len(wanted):
+                missing = sorted(wanted - {t.name for t in tensors})[:3]
+                raise InvalidRequest(f"{run}/{info.step} has no tensor {missing}")
         metadata = dict(info.metadata)
         metadata[CHECKSUMS_KEY] = json.dumps({t.name: t.checksum.hex() for t in tensors})
         first, header = encode_header([(t.name, t.dtype, t.shape) for t in tensors], metadata)
@@ -66,7 +79,8 @@ class Loader:
         def body() -> Iterator[Piece]:
             t0 = time.perf_counter()
             stats = DecodeStats()
-            yield from _coalesced(first, self._data(info, tensors, stats, fill=not prefix))
+            whole = not prefix and names is None
+            yield from _coalesced(first, self._data(info, tensors, stats, fill=whole))
             log.info(
                 "loaded %s/%d: %d bytes in %.2fs from %s (fetch %.2fs, decode %.2fs, in threads)",
                 info.run,

@@ -19,6 +19,8 @@ from ckptstore_service.catalog import Catalog
 from ckptstore_service.chains import ChainSource
 from ckptstore_service.restore import Loader
 from ckptstore_service.save import Saver
+from ckptstore_service.save.parts import PartSaver
+from ckptstore_service.save.store import ChunkStore
 from ckptstore_service.settings import Settings
 from ckptstore_service.storage import BlobStore, open_blob_store
 
@@ -66,14 +68,26 @@ class Runtime:
     budget: Budget = field(init=False)
     source: ChainSource = field(init=False)
     saver: Saver = field(init=False)
+    parts: PartSaver = field(init=False)
     loader: Loader = field(init=False)
 
     def __post_init__(self) -> None:
         self.budget = Budget(self.workers, self.settings.chunk_bytes)
         self.source = ChainSource(self.catalog, self.store, self.pool, self.budget)
         policy = CachePolicy(self.cache, self.catalog, self.source)
-        self.saver = Saver(self.catalog, self.store, policy, self.pool, self.settings, self.budget)
+        chunks = ChunkStore(
+            self.pool, self.budget, self.settings.chunk_bytes, self.settings.zstd_level
+        )
+        self.saver = Saver(self.catalog, self.store, policy, chunks, self.settings)
         self.loader = Loader(self.catalog, policy, self.source)
+        self.parts = PartSaver(
+            self.catalog,
+            self.store,
+            chunks,
+            self.settings,
+            self.cache.scratch,
+            2 * self.budget.bytes_in_flight,
+        )
 
     @classmethod
     def open(cls, settings: Settings) -> Runtime:

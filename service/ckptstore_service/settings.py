@@ -49,6 +49,12 @@ class Settings(BaseSettings):
         "than this are removed even if no catalog row names them; the blobs of a re-root "
         "that crashed are collected this long after it named them.",
     )
+    parts_ttl_s: float = Field(
+        default=6 * 3600,
+        ge=1,
+        description="A checkpoint written in parts (a distributed save) that no commit made "
+        "visible this long after its first part arrived is abandoned: its parts are deleted.",
+    )
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_path_style: bool = False

@@ -1,4 +1,4 @@
-"""DESIGN.md invariant 6: bad input gets a clear 4xx and costs nothing.
+"""Invariant 6 (docs/architecture.md): bad input gets a clear 4xx and costs nothing.
 
 Every case talks raw HTTP to a real service (uvicorn child process): httpx where it can build
 the request, a plain socket where the request itself must be malformed (a Content-Length that

@@ -108,7 +108,12 @@ def test_each_chunk_gets_the_same_place_in_the_parent_as_its_base() -> None:
     header = header_of(("w", "F32", (20_000,)), ("new", "F32", (10,)))
     tensors, chunks = parent_of(header_of(("w", "F32", (20_000,))), depth=2)
     planner = DeltaPlanner(
-        header, keyframe=False, max_chain_depth=8, parent_tensors=tensors, parent_chunks=chunks
+        header,
+        keyframe=False,
+        since_keyframe=1,
+        max_chain_depth=8,
+        parent_tensors=tensors,
+        parent_chunks=chunks,
     )
     plans = [planner.plan(c) for c in raw_chunks(header)]
     assert [p.base.chunk_id if p.base else None for p in plans] == [100, 101, None]
@@ -123,6 +128,7 @@ def test_no_delta_on_a_keyframe_or_past_the_chain_depth() -> None:
         planner = DeltaPlanner(
             header,
             keyframe=keyframe,
+            since_keyframe=0,
             max_chain_depth=8,
             parent_tensors=tensors,
             parent_chunks=chunks,
@@ -136,7 +142,12 @@ def test_links_count_deltas_and_siblings() -> None:
     assert cast_sources(header) == {1: 0}
     tensors, chunks = parent_of(header, depth=3)
     planner = DeltaPlanner(
-        header, keyframe=False, max_chain_depth=8, parent_tensors=tensors, parent_chunks=chunks
+        header,
+        keyframe=False,
+        since_keyframe=1,
+        max_chain_depth=8,
+        parent_tensors=tensors,
+        parent_chunks=chunks,
     )
     master, copy = raw_chunks(header)
     master_plan = planner.plan(master)

@@ -9,15 +9,25 @@ uploads cannot starve the thread pool the other routes use, and a consumer that 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import TypeVar
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
-from ckptstore_core.errors import InvalidStream
+from ckptstore_core.errors import InvalidRequest, InvalidStream
 from ckptstore_service.handoff import unbatched
 
-__all__ = ["BodyPipe", "drain", "pump", "receive_body"]
+__all__ = [
+    "BodyPipe",
+    "consume_body",
+    "content_length_of",
+    "drain",
+    "pump",
+    "receive_body",
+]
+
+T = TypeVar("T")
 
 _BATCH = 1 << 20  # body bytes handed over at a time while the consumer is busy
 _DRAIN_LIMIT = 16 << 20  # read at most this much of a rejected body before answering
@@ -118,3 +128,47 @@ async def drain(request: Request) -> None:
             seen += len(message.get("body", b""))
             if not message.get("more_body", False):
                 return
+
+
+async def consume_body(
+    request: Request,
+    limiter: anyio.CapacityLimiter,
+    consume: Callable[[Iterable[bytes], int | None], T],
+) -> T:
+    """Run ``consume(body, content_length)`` in a worker thread (one of ``limiter``'s) while
+    the event loop streams the request body into it; returns what it returns, or raises
+    what it raised once a little more of a rejected body is read (see :func:`drain`)."""
+    content_length = content_length_of(request)
+    pipe = BodyPipe()
+    outcome: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(consume(pipe, content_length))
+        except BaseException as exc:
+            failure.append(exc)
+        finally:
+            pipe.close()
+
+    ended: list[bool] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pump, receive_body(request, ended), pipe)
+        await anyio.to_thread.run_sync(run, limiter=limiter)
+        if failure:
+            tg.cancel_scope.cancel()  # rejected: stop waiting for the rest of the body
+    if failure:
+        if not ended:
+            await drain(request)
+        raise failure[0]
+    return outcome[0]
+
+
+def content_length_of(request: Request) -> int | None:
+    """The request's Content-Length, if it sent one (InvalidRequest if it is no number)."""
+    value = request.headers.get("content-length")
+    if value is None:
+        return None
+    if not value.isascii() or not value.isdigit() or len(value) > 19:
+        raise InvalidRequest(f"invalid Content-Length {value!r}")
+    return int(value)

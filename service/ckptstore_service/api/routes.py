@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import anyio
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -22,7 +21,7 @@ from ckptstore_core.errors import (
     StorageUnavailable,
 )
 from ckptstore_core.records import CheckpointInfo
-from ckptstore_service.api.body import BodyPipe, drain, pump, receive_body
+from ckptstore_service.api.body import consume_body
 from ckptstore_service.api.deps import MaintenanceDep, RuntimeDep, UploadLimiterDep
 from ckptstore_service.api.openapi import CHECKPOINT_STREAM, SAFETENSORS_BODY, error_responses
 from ckptstore_service.api.schemas import CheckpointsOut, RunsOut
@@ -130,45 +129,15 @@ async def save_checkpoint(
     check_run_name(run)
     step_n = parse_step(step)
     assert step_n is not None
-    content_length = _content_length(request)
-    pipe = BodyPipe()
-    outcome: list[tuple[CheckpointInfo, bool]] = []
-    failure: list[BaseException] = []
-
-    def consume() -> None:
-        try:
-            outcome.append(rt.saver.ingest(run, step_n, pipe, content_length))
-        except BaseException as exc:
-            failure.append(exc)
-        finally:
-            pipe.close()
-
-    ended: list[bool] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(pump, receive_body(request, ended), pipe)
-        await anyio.to_thread.run_sync(consume, limiter=uploads)
-        if failure:
-            tg.cancel_scope.cancel()  # rejected: stop waiting for the rest of the body
-    if failure:
-        if not ended:
-            await drain(request)
-        raise failure[0]
-    info, created = outcome[0]
+    info, created = await consume_body(
+        request, uploads, lambda body, length: rt.saver.ingest(run, step_n, body, length)
+    )
     if created:
         maintenance.after_save(run)
     return JSONResponse(
         CheckpointInfo.of(info).to_json(),
         status_code=201 if created else 200,
     )
-
-
-def _content_length(request: Request) -> int | None:
-    value = request.headers.get("content-length")
-    if value is None:
-        return None
-    if not value.isascii() or not value.isdigit() or len(value) > 19:
-        raise InvalidRequest(f"invalid Content-Length {value!r}")
-    return int(value)
 
 
 def unrouted(path: str) -> CkptStoreError:

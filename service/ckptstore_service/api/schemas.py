@@ -12,7 +12,17 @@ from pydantic import BaseModel, Field
 from ckptstore_core.names import RUN_NAME_RULE
 from ckptstore_core.records import CheckpointInfo, RunInfo
 
-__all__ = ["CheckpointsOut", "ErrorBody", "ErrorDetail", "RunsOut"]
+__all__ = [
+    "CheckpointDetail",
+    "CheckpointsOut",
+    "CommitIn",
+    "ErrorBody",
+    "ErrorDetail",
+    "PartOut",
+    "RunsOut",
+    "SelectIn",
+    "TensorOut",
+]
 
 
 class CheckpointsOut(BaseModel):
@@ -39,3 +49,39 @@ class ErrorBody(BaseModel):
     """Every error the service answers, whatever the route and status."""
 
     error: ErrorDetail
+
+
+class PartOut(BaseModel):
+    """One writer's part of a checkpoint, stored (invisible until the commit)."""
+
+    run: str
+    step: int
+    part: str
+    tensors: int
+    raw_bytes: int
+    stored_bytes: int
+
+
+class CommitIn(BaseModel):
+    parts: list[str] = Field(
+        min_length=1, description="Every part of the checkpoint, in the order of its tensors"
+    )
+    metadata: dict[str, str] = Field(
+        default_factory=dict, description="The checkpoint's metadata (a DCP plan, say)"
+    )
+
+
+class SelectIn(BaseModel):
+    names: list[str] = Field(description="The tensors to read, by name")
+
+
+class TensorOut(BaseModel):
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class CheckpointDetail(BaseModel):
+    checkpoint: CheckpointInfo
+    metadata: dict[str, str]
+    tensors: list[TensorOut]

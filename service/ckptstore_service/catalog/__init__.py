@@ -10,6 +10,7 @@ upload. :class:`Catalog` is the one object callers use; behind it, one module pe
 * :mod:`.uploads`: the upload protocol (begin -> commit | abort)
 * :mod:`.graph`: tensors, chunks and their chains
 * :mod:`.garbage`: blobs due for deletion, and the re-root commit
+* :mod:`.parts`: checkpoints written in parts by several writers, committed once
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from pathlib import Path
 from sqlalchemy import Engine
 
 from ckptstore_core.records import RunInfo
-from ckptstore_service.catalog import checkpoints, garbage, graph, uploads
+from ckptstore_service.catalog import checkpoints, garbage, graph, parts, uploads
 from ckptstore_service.catalog.db import Database, shown_url
 from ckptstore_service.catalog.locks import Purpose, open_run_locks
+from ckptstore_service.catalog.parts import PartRecord
 from ckptstore_service.catalog.records import (
     CheckpointRecord,
     CheckpointUpdate,
@@ -41,6 +43,7 @@ __all__ = [
     "ChunkInfo",
     "ChunkUpdate",
     "NewChunk",
+    "PartRecord",
     "RunInfo",
     "TensorInfo",
     "shown_url",
@@ -99,6 +102,84 @@ class Catalog:
         """One re-root of ``run`` at a time, and no collection of its garbage meanwhile;
         independent of :meth:`run_lock` (saves go on during a re-root)."""
         return self._locks.hold(Purpose.REROOT, run, blocking=blocking)
+
+    def part_lock(
+        self, run: str, step: int, part: str, *, blocking: bool = True
+    ) -> AbstractContextManager[bool]:
+        """Held by the upload of one part (:mod:`.parts`), across replicas: a ``writing``
+        part whose lock is free has no writer."""
+        return self._locks.hold(Purpose.PART, f"{run}#{step}#{part}", blocking=blocking)
+
+    # -- checkpoints written in parts (:mod:`.parts`) ----------------------------------------
+
+    def open_parts(self, run_id: int, step: int) -> int:
+        return parts.open_checkpoint(self._db, run_id, step)
+
+    def find_part(self, checkpoint_id: int, name: str) -> PartRecord | None:
+        return parts.find_part(self._db, checkpoint_id, name)
+
+    def begin_part(self, checkpoint_id: int, name: str, blob_key: str) -> int:
+        return parts.begin_part(self._db, checkpoint_id, name, blob_key)
+
+    def finish_part(
+        self,
+        part: PartRecord,
+        *,
+        raw_bytes: int,
+        stored_bytes: int,
+        tensors: Sequence[TensorInfo],
+        chunks: Sequence[NewChunk],
+        sibling_bases: dict[int, int],
+    ) -> None:
+        parts.finish_part(
+            self._db,
+            part,
+            raw_bytes=raw_bytes,
+            stored_bytes=stored_bytes,
+            tensors=tensors,
+            chunks=chunks,
+            sibling_bases=sibling_bases,
+        )
+
+    def part_tensors(self, part_id: int) -> list[TensorInfo]:
+        return parts.part_tensors(self._db, part_id)
+
+    def drop_part(self, part_id: int) -> None:
+        parts.drop_part(self._db, part_id)
+
+    def commit_parts(
+        self,
+        run: str,
+        step: int,
+        names: Sequence[str],
+        *,
+        parent_id: int | None,
+        keyframe: bool,
+        since_keyframe: int,
+        metadata: dict[str, str],
+    ) -> list[PartRecord]:
+        return parts.commit_parts(
+            self._db,
+            run,
+            step,
+            names,
+            parent_id=parent_id,
+            keyframe=keyframe,
+            since_keyframe=since_keyframe,
+            metadata=metadata,
+        )
+
+    def committed_parts(self, checkpoint_id: int) -> list[str]:
+        return parts.committed_parts(self._db, checkpoint_id)
+
+    def parts_in_progress(self) -> list[tuple[PartRecord, str, int]]:
+        return parts.parts_in_progress(self._db)
+
+    def abandoned_parts(self, older_than: datetime) -> list[tuple[int, str, int, list[PartRecord]]]:
+        return parts.abandoned(self._db, older_than)
+
+    def drop_checkpoint(self, checkpoint_id: int) -> None:
+        parts.drop_checkpoint(self._db, checkpoint_id)
 
     # -- runs and checkpoints (:mod:`.checkpoints`) -------------------------------------------
 

@@ -71,6 +71,7 @@ def _info(row: Any) -> CheckpointRecord:
         blob_key=ck.blob_key,
         metadata=json.loads(ck.metadata_json),
         created=utc(ck.created_at),
+        parts=ck.n_parts,
     )
 
 

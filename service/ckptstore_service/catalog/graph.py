@@ -11,11 +11,11 @@ import json
 from collections.abc import Collection
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from ckptstore_core.errors import CorruptData
 from ckptstore_service.catalog.db import Database
-from ckptstore_service.catalog.models import Checkpoint, Chunk, TensorRow
+from ckptstore_service.catalog.models import Checkpoint, Chunk, Part, TensorRow
 from ckptstore_service.catalog.records import ChunkInfo, NewChunk, TensorInfo
 
 __all__ = ["chunk_tree", "chunks", "descendants", "tensors"]
@@ -49,11 +49,16 @@ def tensors(db: Database, checkpoint_id: int) -> list[TensorInfo]:
 
 
 def _chunk_query() -> Any:
-    return select(
-        *(getattr(Chunk, name) for name in _CHUNK_COLUMNS),
-        Checkpoint.blob_key,
-        Chunk.checkpoint_id,
-    ).join(Checkpoint, Checkpoint.id == Chunk.checkpoint_id)
+    # a chunk of a checkpoint written in parts lives in its part's blob
+    return (
+        select(
+            *(getattr(Chunk, name) for name in _CHUNK_COLUMNS),
+            func.coalesce(Part.blob_key, Checkpoint.blob_key),
+            Chunk.checkpoint_id,
+        )
+        .join(Checkpoint, Checkpoint.id == Chunk.checkpoint_id)
+        .outerjoin(Part, Part.id == Chunk.part_id)
+    )
 
 
 def _chunk(row: Any) -> ChunkInfo:

@@ -49,6 +49,7 @@ class Purpose(StrEnum):
 
     RUN = "run"  # the run's writers: saves, and a re-root's commit
     REROOT = "reroot"  # one re-root (and garbage collection) of the run at a time
+    PART = "part"  # one writer's part of a checkpoint, while it uploads ("run#step#part")
 
 
 class RunLocks(ABC):
@@ -88,7 +89,11 @@ def open_run_locks(db: Database) -> RunLocks:
 # blake2b personalisations: a namespace per purpose inside the one 64-bit key space of
 # advisory locks. RUN's is blake2b's default, so a run lock's key is what it was before
 # locks had purposes (replicas of both versions still serialize each other's saves).
-_PERSON = {Purpose.RUN: b"", Purpose.REROOT: b"ckptstore-reroot"}
+_PERSON = {
+    Purpose.RUN: b"",
+    Purpose.REROOT: b"ckptstore-reroot",
+    Purpose.PART: b"ckptstore-part",
+}
 
 
 def advisory_key(purpose: Purpose, run: str) -> int:

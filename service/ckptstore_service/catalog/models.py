@@ -25,10 +25,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["Base", "Checkpoint", "Chunk", "Garbage", "Run", "TensorRow"]
+__all__ = ["Base", "Checkpoint", "Chunk", "Garbage", "Part", "Run", "TensorRow"]
 
 WRITING = "writing"
 COMMITTED = "committed"
+PARTS = "parts"  # a checkpoint of several parts, not committed yet (see Part)
+DONE = "done"  # a part whose blob is durable and whose rows are in
 
 
 def _now() -> datetime:
@@ -74,16 +76,41 @@ class Checkpoint(Base):
     stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     n_tensors: Mapped[int] = mapped_column(Integer, default=0)
     metadata_json: Mapped[str] = mapped_column(Text, default="{}")
+    n_parts: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
     committed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
-class TensorRow(Base):
-    __tablename__ = "tensors"
-    __table_args__ = (Index("ix_tensors_checkpoint", "checkpoint_id", "idx", unique=True),)
+class Part(Base):
+    """One writer's part of a checkpoint written by several (the ranks of a distributed
+    save), with a blob of its own. Its tensor and chunk rows carry its id (``part_id``) and
+    number their tensors from 0 until the checkpoint's commit renumbers them into one
+    sequence; until then the checkpoint's row stays ``parts``, invisible. A ``writing``
+    part's upload is in progress (or crashed: its blob is collected)."""
+
+    __tablename__ = "parts"
+    __table_args__ = (Index("uq_parts_checkpoint_name", "checkpoint_id", "name", unique=True),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(64))
+    blob_key: Mapped[str] = mapped_column(String(512))
+    status: Mapped[str] = mapped_column(String(16), default=WRITING)
+    raw_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    n_tensors: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
+
+
+class TensorRow(Base):
+    __tablename__ = "tensors"
+    __table_args__ = (
+        Index("ix_tensors_checkpoint", "checkpoint_id", "part_id", "idx", unique=True),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
+    part_id: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # 0: none
     idx: Mapped[int] = mapped_column(Integer)
     name: Mapped[str] = mapped_column(Text)
     dtype: Mapped[str] = mapped_column(String(16))
@@ -102,6 +129,8 @@ class Chunk(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
+    # the part whose blob holds it (0: the checkpoint's own blob)
+    part_id: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     tensor_idx: Mapped[int] = mapped_column(Integer)
     offset: Mapped[int] = mapped_column(BigInteger)  # within the tensor
     raw_len: Mapped[int] = mapped_column(BigInteger)

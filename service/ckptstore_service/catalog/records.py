@@ -22,9 +22,10 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointRecord(CheckpointInfo):
-    """A committed checkpoint as listed, with what only the service needs of it."""
+    """A committed checkpoint as listed, with what only the service needs of it (keyword
+    fields: they follow the listing's, some of which have defaults)."""
 
     id: int
     since_keyframe: int

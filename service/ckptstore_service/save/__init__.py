@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Executor
-from dataclasses import dataclass
+from collections.abc import Iterable
 
-from ckptstore_service.budget import Budget
-from ckptstore_service.cache_policy import CachePolicy, SaveFiles
-from ckptstore_service.catalog import Catalog, CheckpointRecord, NewChunk, TensorInfo
-from ckptstore_service.save.encode import Encoded, EncodePipeline
+from ckptstore_service.cache_policy import CachePolicy
+from ckptstore_service.catalog import Catalog, CheckpointRecord
+from ckptstore_service.save.encode import FileBases
 from ckptstore_service.save.header import Incoming, open_body, same_content
-from ckptstore_service.save.plan import ChunkPlan, DeltaPlanner, same_offsets
-from ckptstore_service.save.split import RawChunk, Splitter
+from ckptstore_service.save.plan import same_offsets
+from ckptstore_service.save.store import ChunkStore, planner_for
 from ckptstore_service.save.upload import UploadTransaction
 from ckptstore_service.settings import Settings
 from ckptstore_service.storage import BlobStore
@@ -36,15 +33,6 @@ from ckptstore_service.storage import BlobStore
 __all__ = ["Saver"]
 
 log = logging.getLogger("ckptstore")
-
-
-@dataclass
-class _Stored:
-    """What the encode loop made of the body: the chunk rows, and which rest on a sibling."""
-
-    chunks: list[NewChunk]
-    siblings: dict[int, int]  # chunk index -> index of its fp32 master chunk
-    t_body: float  # when the body's last chunk was handed to the encoder
 
 
 class Saver:
@@ -55,16 +43,14 @@ class Saver:
         catalog: Catalog,
         store: BlobStore,
         cache: CachePolicy,
-        pool: Executor,
+        chunks: ChunkStore,
         settings: Settings,
-        budget: Budget,
     ) -> None:
         self._catalog = catalog
         self._store = store
         self._cache = cache
-        self._pool = pool
+        self._chunks = chunks
         self._settings = settings
-        self._budget = budget
 
     def ingest(
         self, run: str, step: int, body: Iterable[bytes], content_length: int | None
@@ -79,8 +65,10 @@ class Saver:
         with self._catalog.run_lock(run):
             existing = self._catalog.find(run, step)
             if existing is not None:
+                conflict = f"run {run!r} already has a different checkpoint at step {step}"
                 stored = self._catalog.tensors(existing.id)
-                return same_content(existing, stored, incoming), False
+                same_content(stored, existing.metadata, incoming, conflict)
+                return existing, False
             self._store_new(run, step, incoming)
         return self._catalog.get(run, step), True
 
@@ -88,43 +76,25 @@ class Saver:
         t_start = time.perf_counter()
         header = incoming.header
         parent = self._catalog.parent_of(run, step)
-        parent_tensors = (
-            {} if parent is None else {t.idx: t for t in self._catalog.tensors(parent.id)}
-        )
-        planner = DeltaPlanner(
-            header,
-            keyframe=parent is None
-            or parent.since_keyframe + 1 >= self._settings.keyframe_interval,
-            max_chain_depth=self._settings.max_chain_depth,
-            parent_tensors=parent_tensors,
-            parent_chunks=[] if parent is None else self._catalog.chunks(parent.id),
-        )
-        splitter = Splitter(header, self._settings.chunk_bytes)
+        planner, parent_tensors = planner_for(self._catalog, self._settings, header, parent)
         in_place = same_offsets(parent_tensors.values(), header)
         with (
             self._cache.save_files(run, parent, in_place) as files,
             UploadTransaction.begin(self._catalog, self._store, run, step) as tx,
         ):
-            stored = self._encode(splitter, planner, incoming.pieces, files, tx)
+            bases = None if files.base_fd is None else FileBases(files.base_fd)
+            stored = self._chunks.store(header, incoming.pieces, planner, bases, files.fd, tx)
             t_encoded = time.perf_counter()
             stored_bytes = tx.finish()
             t_durable = time.perf_counter()
-            tensors = [
-                TensorInfo(i, t.name, t.dtype, t.shape, t.begin, t.nbytes, digest)
-                for i, (t, digest) in enumerate(
-                    zip(header.tensors, splitter.digests.finish(), strict=True)
-                )
-            ]
             tx.commit(
                 parent_id=None if parent is None else parent.id,
                 keyframe=planner.keyframe,
-                since_keyframe=0
-                if planner.keyframe or parent is None
-                else parent.since_keyframe + 1,
+                since_keyframe=planner.since_keyframe,
                 raw_bytes=header.data_len,
                 stored_bytes=stored_bytes,
                 metadata=dict(header.metadata),
-                tensors=tensors,
+                tensors=stored.tensors,
                 chunks=stored.chunks,
                 sibling_bases=stored.siblings,
             )
@@ -142,56 +112,4 @@ class Saver:
             t_encoded - stored.t_body,
             t_durable - t_encoded,
             t_end - t_durable,
-        )
-
-    def _encode(
-        self,
-        splitter: Splitter,
-        planner: DeltaPlanner,
-        pieces: Iterator[object],
-        files: SaveFiles,
-        tx: UploadTransaction,
-    ) -> _Stored:
-        """Split, plan and encode the body's chunks, appending each to the blob in order."""
-        stored = _Stored([], {}, 0.0)
-
-        def planned() -> Iterator[tuple[RawChunk, ChunkPlan]]:
-            for c in splitter.chunks(pieces):  # type: ignore[arg-type]
-                yield c, planner.plan(c)
-            stored.t_body = time.perf_counter()
-
-        level = self._settings.zstd_level
-        recycle = splitter.recycle
-        with EncodePipeline(
-            self._pool, self._budget, level, files.base_fd, files.fd, recycle
-        ) as pipeline:
-            for e in pipeline.run(planned()):
-                stored.chunks.append(self._stored_chunk(e, planner, splitter, tx, stored))
-        return stored
-
-    @staticmethod
-    def _stored_chunk(
-        e: Encoded,
-        planner: DeltaPlanner,
-        splitter: Splitter,
-        tx: UploadTransaction,
-        stored: _Stored,
-    ) -> NewChunk:
-        link = planner.link(e.chunk, e.plan, e.enc.codec)
-        if link.sibling is not None:
-            stored.siblings[len(stored.chunks)] = link.sibling
-        splitter.digests.chunk_checksum(e.chunk.tensor_idx, e.enc.checksum)
-        blob_offset, size = tx.write(e.enc.parts)
-        c = e.chunk
-        return NewChunk(
-            tensor_idx=c.tensor_idx,
-            offset=c.offset,
-            raw_len=c.raw_len,
-            itemsize=c.itemsize,
-            codec=e.enc.codec,
-            base_id=link.base_id,
-            depth=link.depth,
-            blob_offset=blob_offset,
-            stored_len=size,
-            checksum=e.enc.checksum,
         )

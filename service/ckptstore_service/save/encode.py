@@ -1,8 +1,9 @@
 """The encode stage of a save: planned chunks in, encoded chunks out, in the same order,
 within a memory budget.
 
-Each chunk is encoded against its base (read from the parent's data section) or its cast
-source (read from the new cache file), and its raw bytes are written to the new cache file,
+Each chunk is encoded against its base (read from the parent's data section in the base
+cache, or decoded from storage: a :class:`BaseReader`) or its cast source (read from the new
+cache file), and its raw bytes are written to the new cache file,
 in the codec pool; a small chunk costs less to encode in the calling thread than to hand to
 a codec thread (two wake-ups), so it is encoded at once. What is held:
 
@@ -25,15 +26,25 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, replace
 from types import TracebackType
+from typing import Protocol
 
 import numpy as np
 
 from ckptstore_core import codec
+from ckptstore_core.errors import CorruptData
 from ckptstore_service.budget import Budget
-from ckptstore_service.save.plan import CastFrom, ChunkPlan
+from ckptstore_service.chains import ChainDecoder
+from ckptstore_service.save.plan import BaseChunk, CastFrom, ChunkPlan
 from ckptstore_service.save.split import RawChunk
 
-__all__ = ["EncodePipeline", "Encoded", "encode_job"]
+__all__ = [
+    "BaseReader",
+    "EncodePipeline",
+    "Encoded",
+    "FileBases",
+    "StoredBases",
+    "encode_job",
+]
 
 # chunks smaller than this are encoded by the ingest thread itself: a hand-off to a codec
 # thread (two wake-ups) costs more than encoding a few KiB
@@ -57,13 +68,38 @@ class _Pending:
     future: Future[codec.EncodedChunk]
 
 
-def _read_base(fd: int, c: RawChunk, plan: ChunkPlan) -> memoryview | None:
-    if plan.base is None:
-        return None
-    view = c.scratch[: c.raw_len]
-    if os.preadv(fd, [view.data], plan.base.file_offset) != c.raw_len:
-        raise RuntimeError("base cache file is shorter than the catalog says")
-    return view.data
+class BaseReader(Protocol):
+    """Where a chunk's base (the same chunk of the parent checkpoint) is read from."""
+
+    def read(self, base: BaseChunk, into: np.ndarray) -> memoryview:
+        """The base's raw bytes, in ``into`` (its exact length) or in a buffer of its own."""
+        ...
+
+
+class FileBases:
+    """Bases from the parent's raw data section in a file (the base cache)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def read(self, base: BaseChunk, into: np.ndarray) -> memoryview:
+        if os.preadv(self.fd, [into.data], base.file_offset) != len(into):
+            raise RuntimeError("base cache file is shorter than the catalog says")
+        return into.data
+
+
+class StoredBases:
+    """Bases decoded from storage along their chains (a save with no base file: a part of
+    a checkpoint written by several writers, whose parent no cache file holds)."""
+
+    def __init__(self, decoder: ChainDecoder) -> None:
+        self._decoder = decoder
+
+    def read(self, base: BaseChunk, into: np.ndarray) -> memoryview:
+        data = self._decoder.decode(self._decoder.closure[base.chunk_id])
+        if len(data) != len(into):
+            raise CorruptData(f"the catalog's chunk {base.chunk_id} has another length")
+        return memoryview(data)
 
 
 def _predicted(cast: CastFrom, cache_fd: int) -> bytes:
@@ -72,12 +108,14 @@ def _predicted(cast: CastFrom, cache_fd: int) -> bytes:
 
 
 def encode_job(
-    c: RawChunk, plan: ChunkPlan, level: int, base_fd: int | None, cache_fd: int
+    c: RawChunk, plan: ChunkPlan, level: int, bases: BaseReader | None, cache_fd: int
 ) -> codec.EncodedChunk:
     """Encode one chunk (a codec thread's job) and write its raw bytes to the cache file."""
     try:
         predicted = None if plan.cast is None else _predicted(plan.cast, cache_fd)
-        parent = None if base_fd is None else _read_base(base_fd, c, plan)
+        parent = None
+        if plan.base is not None and bases is not None:
+            parent = bases.read(plan.base, c.scratch[: c.raw_len])
         os.pwrite(cache_fd, c.data.data, c.file_offset)
     finally:
         if plan.written is not None:
@@ -110,14 +148,14 @@ class EncodePipeline:
         pool: Executor,
         budget: Budget,
         level: int,
-        base_fd: int | None,
+        bases: BaseReader | None,
         cache_fd: int,
         recycle: Callable[[np.ndarray], None],
     ) -> None:
         self._pool = pool
         self._max_pooled = budget.in_flight
         self._max_small = budget.bytes_in_flight
-        self._args = (level, base_fd, cache_fd)
+        self._args = (level, bases, cache_fd)
         self._recycle = recycle
         self._pending: deque[_Pending] = deque()
         self._pooled = self._small = 0

@@ -11,14 +11,14 @@ is stored.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import xxhash
 
 from ckptstore_core.errors import CheckpointExists, InvalidStream
 from ckptstore_core.wire import FORMAT, Header, StreamParser, TensorPiece
-from ckptstore_service.catalog import CheckpointRecord, TensorInfo
+from ckptstore_service.catalog import TensorInfo
 
 __all__ = ["Incoming", "check_metadata", "open_body", "read_header", "same_content"]
 
@@ -130,10 +130,14 @@ def _tensor_stream(
 
 
 def same_content(
-    existing: CheckpointRecord, stored_tensors: list[TensorInfo], incoming: Incoming
-) -> CheckpointRecord:
-    """``existing`` if ``incoming`` holds the same checkpoint (a retry: the client gets a
-    200), else CheckpointExists. Consumes the body."""
+    stored_tensors: list[TensorInfo],
+    stored_metadata: Mapping[str, str] | None,
+    incoming: Incoming,
+    conflict: str,
+) -> None:
+    """Return if ``incoming`` holds what is stored (a retry: the client gets a 200), else
+    raise CheckpointExists(``conflict``). Metadata is compared unless ``stored_metadata`` is
+    None (a part's is not kept). Consumes the body."""
     header = incoming.header
     # by name: the order of the tensors in the stream is free (clients have changed it)
     stored = {t.name: (t.dtype, t.shape, t.checksum) for t in stored_tensors}
@@ -143,8 +147,5 @@ def same_content(
     sent = {
         t.name: (t.dtype, t.shape, h.digest()) for t, h in zip(header.tensors, hashers, strict=True)
     }
-    if existing.metadata == header.metadata and sent == stored:
-        return existing
-    raise CheckpointExists(
-        f"run {existing.run!r} already has a different checkpoint at step {existing.step}"
-    )
+    if sent != stored or stored_metadata not in (None, header.metadata):
+        raise CheckpointExists(conflict)

@@ -93,7 +93,9 @@ class DeltaPlanner:
     """Plans the chunks of one save, in stream order, then links them as they are stored.
 
     ``parent_tensors`` (by index) and ``parent_chunks`` describe the parent checkpoint
-    (none for a run's first save). Not thread-safe: the ingest thread alone calls it.
+    (none for a run's first save); ``keyframe`` says whether chunks may be deltas at all and
+    ``since_keyframe`` what the checkpoint will record. Not thread-safe: the ingest thread
+    alone calls it.
     """
 
     def __init__(
@@ -101,15 +103,18 @@ class DeltaPlanner:
         header: Header,
         *,
         keyframe: bool,
+        since_keyframe: int,
         max_chain_depth: int,
-        parent_tensors: dict[int, TensorInfo],
-        parent_chunks: Iterable[ChunkInfo],
+        parent_tensors: dict[int, TensorInfo] | None = None,
+        parent_chunks: Iterable[ChunkInfo] = (),
     ) -> None:
         self._header = header
         self.keyframe = keyframe
+        self.since_keyframe = since_keyframe  # what the checkpoint records, unless keyframe
         self._max_depth = max_chain_depth
         self._bases: dict[_Place, BaseChunk] = {}
         for c in parent_chunks:
+            assert parent_tensors is not None
             t = parent_tensors[c.tensor_idx]
             target = c.base_id if c.codec == codec.REF else c.id
             assert target is not None

@@ -22,14 +22,15 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
+from typing import Self
 
 from ckptstore_core.errors import InvalidStream
-from ckptstore_service.catalog import Catalog, NewChunk, TensorInfo
+from ckptstore_service.catalog import Catalog, NewChunk, PartRecord, TensorInfo
 from ckptstore_service.handoff import unbatched
 from ckptstore_service.names import blob_key
 from ckptstore_service.storage import BlobStore, Buffer
 
-__all__ = ["UploadTransaction"]
+__all__ = ["PartTransaction", "UploadTransaction"]
 
 _END = object()
 log = logging.getLogger("ckptstore")
@@ -124,23 +125,16 @@ def _blob_gone(store: BlobStore, key: str) -> bool:
         return False
 
 
-class UploadTransaction:
-    """See the module's docstring. ``checkpoint_id`` is the writing row's id."""
+class _BlobTransaction:
+    """A blob written in order, then made durable, named by a row that goes with it on
+    abort. Subclasses say which row: :meth:`_drop_row`."""
 
-    def __init__(self, catalog: Catalog, store: BlobStore, key: str, checkpoint_id: int):
-        self._catalog = catalog
+    def __init__(self, store: BlobStore, key: str) -> None:
         self._store = store
         self.key = key
-        self.checkpoint_id = checkpoint_id
         self._writer = BlobWriter(store, key)
         self.written = 0  # bytes appended so far
         self.committed = False
-
-    @classmethod
-    def begin(cls, catalog: Catalog, store: BlobStore, run: str, step: int) -> UploadTransaction:
-        run_id = catalog.ensure_run(run)
-        key = blob_key(run, step)
-        return cls(catalog, store, key, catalog.begin_upload(run_id, step, key))
 
     def write(self, parts: Iterable[Buffer]) -> tuple[int, int]:
         """Append one encoded chunk; returns its (offset, length) in the blob."""
@@ -153,6 +147,47 @@ class UploadTransaction:
     def finish(self) -> int:
         """Make the blob durable; returns its size."""
         return self._writer.finish()
+
+    def _drop_row(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Undo what is not committed; each step on its own, failures logged."""
+        if self.committed:
+            return
+        _cleanup(self._writer.abort)
+        if _blob_gone(self._store, self.key):
+            _cleanup(self._drop_row)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.abort()
+
+
+class UploadTransaction(_BlobTransaction):
+    """A single writer's checkpoint (see the module's docstring); ``checkpoint_id`` is its
+    ``writing`` row's id."""
+
+    def __init__(self, catalog: Catalog, store: BlobStore, key: str, checkpoint_id: int):
+        super().__init__(store, key)
+        self._catalog = catalog
+        self.checkpoint_id = checkpoint_id
+
+    @classmethod
+    def begin(cls, catalog: Catalog, store: BlobStore, run: str, step: int) -> UploadTransaction:
+        run_id = catalog.ensure_run(run)
+        key = blob_key(run, step)
+        return cls(catalog, store, key, catalog.begin_upload(run_id, step, key))
+
+    def _drop_row(self) -> None:
+        self._catalog.abort_upload(self.checkpoint_id)
 
     def commit(
         self,
@@ -183,21 +218,43 @@ class UploadTransaction:
         )
         self.committed = True
 
-    def abort(self) -> None:
-        """Undo what is not committed; each step on its own, failures logged."""
-        if self.committed:
-            return
-        _cleanup(self._writer.abort)
-        if _blob_gone(self._store, self.key):
-            _cleanup(self._catalog.abort_upload, self.checkpoint_id)
 
-    def __enter__(self) -> UploadTransaction:
-        return self
+class PartTransaction(_BlobTransaction):
+    """One part of a checkpoint written by several writers: its ``writing`` part row, its
+    blob; :meth:`commit` records its rows and makes it ``done`` (the checkpoint stays
+    invisible until :meth:`Catalog.commit_parts`)."""
 
-    def __exit__(
+    def __init__(self, catalog: Catalog, store: BlobStore, key: str, part: PartRecord):
+        super().__init__(store, key)
+        self._catalog = catalog
+        self.part = part
+
+    @classmethod
+    def begin(
+        cls, catalog: Catalog, store: BlobStore, run: str, step: int, checkpoint_id: int, name: str
+    ) -> PartTransaction:
+        key = blob_key(run, step)
+        part_id = catalog.begin_part(checkpoint_id, name, key)
+        return cls(catalog, store, key, PartRecord(part_id, checkpoint_id, name, key, "", 0, 0, 0))
+
+    def _drop_row(self) -> None:
+        self._catalog.drop_part(self.part.id)
+
+    def commit(
         self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
+        *,
+        raw_bytes: int,
+        stored_bytes: int,
+        tensors: Sequence[TensorInfo],
+        chunks: Sequence[NewChunk],
+        sibling_bases: dict[int, int],
     ) -> None:
-        self.abort()
+        self._catalog.finish_part(
+            self.part,
+            raw_bytes=raw_bytes,
+            stored_bytes=stored_bytes,
+            tensors=tensors,
+            chunks=chunks,
+            sibling_bases=sibling_bases,
+        )
+        self.committed = True

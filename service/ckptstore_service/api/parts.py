@@ -1,0 +1,170 @@
+"""HTTP routes of checkpoints written in parts (a distributed save), and the reads a
+resharding load makes: a checkpoint's table of tensors, and a chosen few of its tensors.
+
+    PUT  /v1/runs/{run}/checkpoints/{step}/parts/{part}   one writer's part (safetensors)
+    POST /v1/runs/{run}/checkpoints/{step}/commit         {"parts": [...], "metadata": {...}}
+    GET  /v1/runs/{run}/checkpoints/{step}/info           record, metadata, tensor table
+    POST /v1/runs/{run}/checkpoints/{step}/select         {"names": [...]} -> safetensors
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from ckptstore_core.errors import (
+    CheckpointExists,
+    CheckpointNotFound,
+    CorruptData,
+    InvalidRequest,
+    InvalidStream,
+    PayloadTooLarge,
+    RunNotFound,
+    StorageUnavailable,
+)
+from ckptstore_core.records import CheckpointInfo
+from ckptstore_service.api.body import consume_body
+from ckptstore_service.api.deps import MaintenanceDep, RuntimeDep, UploadLimiterDep
+from ckptstore_service.api.openapi import CHECKPOINT_STREAM, SAFETENSORS_BODY, error_responses
+from ckptstore_service.api.schemas import CheckpointDetail, CommitIn, PartOut, SelectIn
+from ckptstore_service.names import check_run_name, parse_step
+from ckptstore_service.restore import Restore
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+_CHECKPOINT = "/v1/runs/{run:path}/checkpoints/{step}"
+Run = Annotated[str, Path(description="The run's name")]
+Step = Annotated[str, Path(description="The step: a non-negative integer")]
+_READ = (InvalidRequest, RunNotFound, CheckpointNotFound, CorruptData, StorageUnavailable)
+
+
+@router.put(
+    _CHECKPOINT + "/parts/{part}",
+    status_code=201,
+    response_model=PartOut,
+    responses={
+        200: {"model": PartOut, "description": "Stored already, with the same content"},
+        **error_responses(
+            InvalidRequest, InvalidStream, CheckpointExists, PayloadTooLarge, StorageUnavailable
+        ),
+    },
+    openapi_extra=SAFETENSORS_BODY,
+)
+async def save_part(
+    run: Run,
+    step: Step,
+    part: Annotated[str, Path(description="The part's name (one per writer: `rank-3`)")],
+    request: Request,
+    rt: RuntimeDep,
+    uploads: UploadLimiterDep,
+) -> JSONResponse:
+    """Store one writer's part of checkpoint `step`: invisible until the commit names it.
+    Parts of one checkpoint may be uploaded at the same time, through any replica."""
+    check_run_name(run)
+    step_n = _step(step)
+    stored, created = await consume_body(
+        request,
+        uploads,
+        lambda body, length: rt.parts.ingest_part(run, step_n, part, body, length),
+    )
+    out = PartOut(
+        run=run,
+        step=step_n,
+        part=stored.name,
+        tensors=stored.n_tensors,
+        raw_bytes=stored.raw_bytes,
+        stored_bytes=stored.stored_bytes,
+    )
+    return JSONResponse(out.model_dump(), status_code=201 if created else 200)
+
+
+@router.post(
+    _CHECKPOINT + "/commit",
+    status_code=201,
+    response_model=CheckpointInfo,
+    responses={
+        200: {"model": CheckpointInfo, "description": "Committed already, of these parts"},
+        **error_responses(InvalidRequest, CheckpointExists, PayloadTooLarge, StorageUnavailable),
+    },
+)
+async def commit_parts(
+    run: Run, step: Step, body: CommitIn, rt: RuntimeDep, maintenance: MaintenanceDep
+) -> JSONResponse:
+    """Make checkpoint `step` visible, made of the named parts in that order (each must be
+    stored); `latest` moves. Parts stored but not named are deleted."""
+    check_run_name(run)
+    step_n = _step(step)
+    info, created = await run_in_threadpool(rt.parts.commit, run, step_n, body.parts, body.metadata)
+    if created:
+        maintenance.after_save(run)
+    return JSONResponse(CheckpointInfo.of(info).to_json(), status_code=201 if created else 200)
+
+
+@router.get(
+    "/v1/runs/{run:path}/checkpoints/{step}/info",
+    response_model=CheckpointDetail,
+    responses=error_responses(*_READ),
+)
+async def checkpoint_info(
+    run: Run,
+    step: Annotated[str, Path(description="A step or `latest`")],
+    rt: RuntimeDep,
+) -> dict[str, Any]:
+    """The checkpoint's record, its metadata and its tensors (name, dtype, shape)."""
+    check_run_name(run)
+    step_n = parse_step(step, allow_latest=True)
+
+    def read() -> dict[str, Any]:
+        info = rt.catalog.get(run, step_n)
+        tensors = rt.catalog.tensors(info.id)
+        return {
+            "checkpoint": CheckpointInfo.of(info).to_json(),
+            "metadata": info.metadata,
+            "tensors": [
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in tensors
+            ],
+        }
+
+    return await run_in_threadpool(read)
+
+
+@router.post(
+    "/v1/runs/{run:path}/checkpoints/{step}/select",
+    response_model=None,
+    response_class=Response,
+    responses={200: CHECKPOINT_STREAM, **error_responses(*_READ)},
+)
+async def select_tensors(
+    run: Run,
+    step: Annotated[str, Path(description="A step or `latest`")],
+    body: SelectIn,
+    rt: RuntimeDep,
+) -> StreamingResponse:
+    """Only the named tensors of the checkpoint (in its order), as a safetensors stream:
+    only their chunks are read from storage."""
+    check_run_name(run)
+    step_n = parse_step(step, allow_latest=True)
+    restore = await run_in_threadpool(rt.loader.open, run, step_n, None, body.names)
+    return _stream(restore)
+
+
+def _stream(restore: Restore) -> StreamingResponse:
+    return StreamingResponse(
+        restore.body,
+        media_type="application/octet-stream",
+        headers={
+            "Content-Length": str(restore.total_len),
+            "X-Ckptstore-Step": str(restore.info.step),
+        },
+    )
+
+
+def _step(step: str) -> int:
+    step_n = parse_step(step)
+    assert step_n is not None
+    return step_n

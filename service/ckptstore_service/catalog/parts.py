@@ -1,0 +1,375 @@
+"""Checkpoints written in parts: many writers (the ranks of a distributed save), one commit.
+
+Call order:
+
+1. :func:`open_checkpoint` (under the run's lock, briefly): the checkpoint's ``parts`` row,
+   made by the first part to arrive; invisible to every listing, as ``latest`` and as a
+   parent.
+2. Per part, concurrently, through any replica, each under its own part lock:
+   :func:`begin_part` (a ``writing`` part row that names the part's blob, before its first
+   byte), the blob written and made durable, then :func:`finish_part` (one transaction: the
+   part's tensor and chunk rows, numbered from 0 within the part, and the part ``done``) or
+   :func:`drop_part` once its blob is gone.
+3. :func:`commit_parts` (under the run's lock): one transaction renumbers the parts' tensors
+   into one sequence (in the order the commit lists the parts: tensor indices and data
+   offsets follow on from the previous part's), fills in the checkpoint's figures and makes
+   it ``committed``: then, and only then, it is visible and ``latest`` moves.
+
+Crashes: a ``writing`` part whose lock is free has no writer (its blob is an orphan); a
+``parts`` checkpoint never committed is abandoned after a TTL (:func:`abandoned`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from ckptstore_core.errors import CheckpointExists, InvalidRequest
+from ckptstore_service.catalog.db import Database, utc
+from ckptstore_service.catalog.models import (
+    COMMITTED,
+    DONE,
+    PARTS,
+    WRITING,
+    Base,
+    Checkpoint,
+    Chunk,
+    Part,
+    Run,
+    TensorRow,
+)
+from ckptstore_service.catalog.records import NewChunk, TensorInfo
+
+__all__ = [
+    "PartRecord",
+    "abandoned",
+    "begin_part",
+    "commit_parts",
+    "committed_parts",
+    "drop_checkpoint",
+    "drop_part",
+    "finish_part",
+    "find_part",
+    "open_checkpoint",
+    "part_tensors",
+    "parts_in_progress",
+]
+
+_TENSORS = Base.metadata.tables[TensorRow.__tablename__]
+_CHUNKS = Base.metadata.tables[Chunk.__tablename__]
+
+
+@dataclass(frozen=True, slots=True)
+class PartRecord:
+    id: int
+    checkpoint_id: int
+    name: str
+    blob_key: str
+    status: str  # WRITING or DONE
+    raw_bytes: int
+    stored_bytes: int
+    n_tensors: int
+
+
+def _part(row: Part) -> PartRecord:
+    return PartRecord(
+        row.id,
+        row.checkpoint_id,
+        row.name,
+        row.blob_key,
+        row.status,
+        row.raw_bytes,
+        row.stored_bytes,
+        row.n_tensors,
+    )
+
+
+def open_checkpoint(db: Database, run_id: int, step: int) -> int:
+    """The id of the ``parts`` row of ``run/step``, made if there is none; CheckpointExists
+    if that step is committed already. The caller holds the run's lock."""
+    with db.session() as s:
+        rows = s.execute(
+            select(Checkpoint.id, Checkpoint.status).where(
+                Checkpoint.run_id == run_id,
+                Checkpoint.step == step,
+                Checkpoint.status.in_([PARTS, COMMITTED]),
+            )
+        ).all()
+        for checkpoint_id, status in rows:
+            if status == COMMITTED:
+                raise CheckpointExists(f"step {step} is committed already")
+            return int(checkpoint_id)
+        return int(
+            s.execute(
+                insert(Checkpoint)
+                .values(run_id=run_id, step=step, status=PARTS, blob_key="", n_parts=0)
+                .returning(Checkpoint.id)
+            ).scalar_one()
+        )
+
+
+def find_part(db: Database, checkpoint_id: int, name: str) -> PartRecord | None:
+    with db.session() as s:
+        row = s.scalar(select(Part).where(Part.checkpoint_id == checkpoint_id, Part.name == name))
+        return None if row is None else _part(row)
+
+
+def begin_part(db: Database, checkpoint_id: int, name: str, blob_key: str) -> int:
+    """Record a part's upload before its first byte: the row names its blob."""
+    with db.session() as s:
+        return int(
+            s.execute(
+                insert(Part)
+                .values(
+                    checkpoint_id=checkpoint_id,
+                    name=name,
+                    blob_key=blob_key,
+                    status=WRITING,
+                    raw_bytes=0,
+                    stored_bytes=0,
+                    n_tensors=0,
+                )
+                .returning(Part.id)
+            ).scalar_one()
+        )
+
+
+def finish_part(
+    db: Database,
+    part: PartRecord,
+    *,
+    raw_bytes: int,
+    stored_bytes: int,
+    tensors: Sequence[TensorInfo],
+    chunks: Sequence[NewChunk],
+    sibling_bases: dict[int, int],
+) -> None:
+    """The part's rows and ``done``, in one transaction, once its blob is durable."""
+    tensor_rows = [
+        {
+            "checkpoint_id": part.checkpoint_id,
+            "part_id": part.id,
+            "idx": t.idx,
+            "name": t.name,
+            "dtype": t.dtype,
+            "shape": json.dumps(list(t.shape)),
+            "begin": t.begin,
+            "nbytes": t.nbytes,
+            "checksum": t.checksum,
+        }
+        for t in tensors
+    ]
+    chunk_rows = [
+        {
+            "checkpoint_id": part.checkpoint_id,
+            "part_id": part.id,
+            **{f: getattr(c, f) for f in NewChunk.__slots__},
+        }
+        for c in chunks
+    ]
+    with db.session() as s:
+        if tensor_rows:
+            s.execute(insert(_TENSORS), tensor_rows)
+        first = [i for i in range(len(chunk_rows)) if i not in sibling_bases]
+        if first:
+            ids = s.scalars(
+                insert(_CHUNKS).returning(_CHUNKS.c.id, sort_by_parameter_order=True),
+                [chunk_rows[i] for i in first],
+            ).all()
+            id_of = dict(zip(first, ids, strict=True))
+            for i, base in sibling_bases.items():
+                chunk_rows[i]["base_id"] = id_of[base]
+        if sibling_bases:
+            s.execute(insert(_CHUNKS), [chunk_rows[i] for i in sibling_bases])
+        s.execute(
+            update(Part)
+            .where(Part.id == part.id)
+            .values(
+                status=DONE,
+                raw_bytes=raw_bytes,
+                stored_bytes=stored_bytes,
+                n_tensors=len(tensor_rows),
+            )
+        )
+
+
+def part_tensors(db: Database, part_id: int) -> list[TensorInfo]:
+    """A finished part's tensors, numbered within the part (before the commit)."""
+    query = (
+        select(
+            TensorRow.idx,
+            TensorRow.name,
+            TensorRow.dtype,
+            TensorRow.shape,
+            TensorRow.begin,
+            TensorRow.nbytes,
+            TensorRow.checksum,
+        )
+        .where(TensorRow.part_id == part_id)
+        .order_by(TensorRow.idx)
+    )
+    with db.session() as s:
+        rows = s.execute(query).all()
+    return [TensorInfo(i, n, d, tuple(json.loads(sh)), b, nb, c) for i, n, d, sh, b, nb, c in rows]
+
+
+def drop_part(db: Database, part_id: int) -> None:
+    """Forget a part (once its blob is gone): its row, and its tensor and chunk rows."""
+    with db.session() as s:
+        s.execute(delete(_CHUNKS).where(_CHUNKS.c.part_id == part_id))
+        s.execute(delete(_TENSORS).where(_TENSORS.c.part_id == part_id))
+        s.execute(delete(Part).where(Part.id == part_id))
+
+
+def drop_checkpoint(db: Database, checkpoint_id: int) -> None:
+    """Forget an abandoned ``parts`` checkpoint that has no parts left."""
+    with db.session() as s:
+        s.execute(
+            delete(Checkpoint).where(Checkpoint.id == checkpoint_id, Checkpoint.status == PARTS)
+        )
+
+
+def _check_parts(
+    found: dict[str, PartRecord], names: Sequence[str], run: str, step: int
+) -> list[PartRecord]:
+    if not names:
+        raise InvalidRequest("a commit names at least one part")
+    if len(set(names)) != len(names):
+        raise InvalidRequest("a commit names each part once")
+    listed = []
+    for name in names:
+        part = found.get(name)
+        if part is None or part.status != DONE:
+            what = "was not uploaded" if part is None else "is still being uploaded"
+            raise InvalidRequest(f"part {name!r} of {run}/{step} {what}")
+        listed.append(part)
+    return listed
+
+
+def commit_parts(
+    db: Database,
+    run: str,
+    step: int,
+    names: Sequence[str],
+    *,
+    parent_id: int | None,
+    keyframe: bool,
+    since_keyframe: int,
+    metadata: dict[str, str],
+) -> list[PartRecord]:
+    """Make ``run/step`` visible, made of parts ``names`` in that order, in one transaction;
+    returns the parts uploaded but not named (the caller collects their blobs). The caller
+    holds the run's lock. InvalidRequest if a named part is missing or not finished, or if
+    two parts hold tensors of the same name."""
+    with db.session() as s:
+        checkpoint_id = s.scalar(
+            select(Checkpoint.id)
+            .join(Run, Run.id == Checkpoint.run_id)
+            .where(Run.name == run, Checkpoint.step == step, Checkpoint.status == PARTS)
+        )
+        if checkpoint_id is None:
+            raise InvalidRequest(f"no part of {run}/{step} was uploaded")
+        found = {
+            p.name: _part(p)
+            for p in s.scalars(select(Part).where(Part.checkpoint_id == checkpoint_id))
+        }
+        listed = _check_parts(found, names, run, step)
+        clash = s.execute(
+            select(TensorRow.name)
+            .where(TensorRow.part_id.in_([p.id for p in listed]))
+            .group_by(TensorRow.name)
+            .having(func.count() > 1)
+            .limit(1)
+        ).scalar()
+        if clash is not None:
+            raise InvalidRequest(f"tensor {clash!r} is in more than one part of {run}/{step}")
+        idx = begin = 0
+        for p in listed:
+            s.execute(
+                update(_TENSORS)
+                .where(_TENSORS.c.part_id == p.id)
+                .values(idx=_TENSORS.c.idx + idx, begin=_TENSORS.c.begin + begin)
+            )
+            s.execute(
+                update(_CHUNKS)
+                .where(_CHUNKS.c.part_id == p.id)
+                .values(tensor_idx=_CHUNKS.c.tensor_idx + idx)
+            )
+            idx += p.n_tensors
+            begin += p.raw_bytes
+        depth = s.scalar(
+            select(func.max(Chunk.depth)).where(Chunk.part_id.in_([p.id for p in listed]))
+        )
+        keyframe = keyframe or not depth  # a keyframe holds no deltas
+        figures = {
+            "parent_id": parent_id,
+            "keyframe": keyframe,
+            "chain_depth": depth or 0,
+            "since_keyframe": 0 if keyframe else since_keyframe,
+            "raw_bytes": begin,
+            "stored_bytes": sum(p.stored_bytes for p in listed),
+            "n_tensors": idx,
+            "n_parts": len(listed),
+            "metadata_json": json.dumps(metadata),
+            "committed_at": datetime.now(UTC),
+        }
+        try:
+            s.execute(
+                update(Checkpoint)
+                .where(Checkpoint.id == checkpoint_id)
+                .values(status=COMMITTED, **figures)
+            )
+        except IntegrityError as exc:  # a single-writer save of the same step won
+            raise CheckpointExists(f"{run}/{step} was committed concurrently") from exc
+    return [p for p in found.values() if p.name not in names]
+
+
+def committed_parts(db: Database, checkpoint_id: int) -> list[str]:
+    """The names of a committed checkpoint's parts, in its order."""
+    query = (
+        select(Part.name, func.min(TensorRow.idx))
+        .join(TensorRow, TensorRow.part_id == Part.id, isouter=True)
+        .where(Part.checkpoint_id == checkpoint_id)
+        .group_by(Part.id, Part.name)
+    )
+    with db.session() as s:
+        rows = s.execute(query).all()
+    return [name for name, _ in sorted(rows, key=lambda r: (r[1] is None, r[1] or 0))]
+
+
+def parts_in_progress(db: Database) -> list[tuple[PartRecord, str, int]]:
+    """Every ``writing`` part, with its run and step: those whose lock is free are
+    orphans."""
+    query = (
+        select(Part, Run.name, Checkpoint.step)
+        .join(Checkpoint, Checkpoint.id == Part.checkpoint_id)
+        .join(Run, Run.id == Checkpoint.run_id)
+        .where(Part.status == WRITING)
+    )
+    with db.session() as s:
+        return [(_part(p), run, int(step)) for p, run, step in s.execute(query).all()]
+
+
+def abandoned(db: Database, older_than: datetime) -> list[tuple[int, str, int, list[PartRecord]]]:
+    """``(checkpoint_id, run, step, parts)`` of the ``parts`` checkpoints begun before
+    ``older_than`` and never committed."""
+    query = (
+        select(Checkpoint.id, Run.name, Checkpoint.step, Checkpoint.created_at)
+        .join(Run, Run.id == Checkpoint.run_id)
+        .where(Checkpoint.status == PARTS)
+    )
+    out = []
+    with db.session() as s:
+        for checkpoint_id, run, step, created in s.execute(query).all():
+            if utc(created) >= older_than:
+                continue
+            parts = [
+                _part(p) for p in s.scalars(select(Part).where(Part.checkpoint_id == checkpoint_id))
+            ]
+            out.append((int(checkpoint_id), run, int(step), parts))
+    return out

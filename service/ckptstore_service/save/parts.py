@@ -1,0 +1,166 @@
+"""Checkpoints written in parts by several writers (the ranks of a distributed save), then
+committed once.
+
+A part goes through the same stages as a single writer's save (header, split, plan,
+encode, upload transaction), with two differences: no run lock is held while it streams
+(the ranks upload at the same time, through any replica), and its bases are decoded from
+storage (a part's parent is no file of the base cache: it may itself be made of parts
+written through other replicas). Each chunk is diffed against the chunk at the same place of
+the tensor of the same name in the run's previous committed checkpoint, so a distributed
+run that names its shards the same way at each save pays deltas, like a single writer.
+
+While a part streams, its part lock is held (across replicas): a ``writing`` part whose lock
+is free has no writer, and its blob is collected. The commit takes the run's lock, checks
+that every named part is done, and makes the checkpoint visible in one transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+
+from ckptstore_core.errors import CheckpointExists, InvalidRequest
+from ckptstore_service.catalog import Catalog, CheckpointRecord, PartRecord
+from ckptstore_service.chains import ChainDecoder
+from ckptstore_service.maintenance.garbage import delete_blob
+from ckptstore_service.names import check_part_name
+from ckptstore_service.save.encode import StoredBases
+from ckptstore_service.save.header import Incoming, open_body, same_content
+from ckptstore_service.save.store import ChunkStore, planner_for
+from ckptstore_service.save.upload import PartTransaction
+from ckptstore_service.settings import Settings
+from ckptstore_service.storage import BlobStore
+
+__all__ = ["PartSaver"]
+
+log = logging.getLogger("ckptstore")
+
+
+class PartSaver:
+    """Stores the parts of checkpoints and commits them (see the module's docstring)."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        store: BlobStore,
+        chunks: ChunkStore,
+        settings: Settings,
+        scratch: os.PathLike[str],
+        keep_budget: int,
+    ) -> None:
+        self._catalog = catalog
+        self._store = store
+        self._chunks = chunks
+        self._settings = settings
+        self._scratch = scratch
+        self._keep_budget = keep_budget
+
+    def ingest_part(
+        self, run: str, step: int, name: str, body: Iterable[bytes], content_length: int | None
+    ) -> tuple[PartRecord, bool]:
+        """Store part ``name`` of ``run/step``; returns (part, created). ``created`` is False
+        for a retry with the same content; other content raises CheckpointExists, as does a
+        step that is committed already or a part that is being uploaded right now."""
+        check_part_name(name)
+        s = self._settings
+        incoming = open_body(body, content_length, s.max_header_bytes, s.max_upload_bytes)
+        run_id = self._catalog.ensure_run(run)
+        with self._catalog.run_lock(run):
+            checkpoint_id = self._catalog.open_parts(run_id, step)
+        with self._catalog.part_lock(run, step, name, blocking=False) as held:
+            if not held:
+                raise CheckpointExists(f"part {name!r} of {run}/{step} is being uploaded")
+            existing = self._catalog.find_part(checkpoint_id, name)
+            if existing is not None and existing.status == "done":
+                stored = self._catalog.part_tensors(existing.id)
+                conflict = f"part {name!r} of {run}/{step} holds other data"
+                same_content(stored, None, incoming, conflict)
+                return existing, False
+            if existing is not None:  # a crashed upload of this part: its lock is free
+                self.collect(existing)
+            self._store_part(run, step, checkpoint_id, name, incoming)
+        part = self._catalog.find_part(checkpoint_id, name)
+        assert part is not None
+        return part, True
+
+    def _store_part(
+        self, run: str, step: int, checkpoint_id: int, name: str, incoming: Incoming
+    ) -> None:
+        header = incoming.header
+        parent = self._catalog.parent_of(run, step)
+        planner, _ = planner_for(self._catalog, self._settings, header, parent)
+        bases = None
+        if parent is not None:
+            _, closure = self._catalog.chunk_tree(parent.id)
+            bases = StoredBases(ChainDecoder(self._store, closure, self._keep_budget))
+        # the raw bytes go to an unnamed scratch file: a bf16 copy's prediction reads its
+        # fp32 master there (no part is ever a base-cache file)
+        with (
+            tempfile.TemporaryFile(dir=self._scratch) as raw,
+            PartTransaction.begin(self._catalog, self._store, run, step, checkpoint_id, name) as tx,
+        ):
+            stored = self._chunks.store(header, incoming.pieces, planner, bases, raw.fileno(), tx)
+            stored_bytes = tx.finish()
+            tx.commit(
+                raw_bytes=header.data_len,
+                stored_bytes=stored_bytes,
+                tensors=stored.tensors,
+                chunks=stored.chunks,
+                sibling_bases=stored.siblings,
+            )
+        log.info(
+            "saved part %s of %s/%d: %d -> %d bytes", name, run, step, header.data_len, stored_bytes
+        )
+
+    def commit(
+        self, run: str, step: int, names: Sequence[str], metadata: Mapping[str, str]
+    ) -> tuple[CheckpointRecord, bool]:
+        """Make ``run/step`` visible, made of the parts ``names`` in that order; returns
+        (record, created). A retried commit of the same parts is ``created=False``; parts
+        uploaded but not named are deleted."""
+        for name in names:
+            check_part_name(name)
+        with self._catalog.run_lock(run):
+            existing = self._catalog.find(run, step)
+            if existing is not None:
+                if self._catalog.committed_parts(existing.id) == list(names):
+                    return existing, False
+                raise CheckpointExists(f"run {run!r} already has a checkpoint at step {step}")
+            parent = self._catalog.parent_of(run, step)
+            keyframe = parent is None or (
+                parent.since_keyframe + 1 >= self._settings.keyframe_interval
+            )
+            unnamed = self._catalog.commit_parts(
+                run,
+                step,
+                names,
+                parent_id=None if parent is None else parent.id,
+                keyframe=keyframe,
+                since_keyframe=0 if parent is None else parent.since_keyframe + 1,
+                metadata=dict(metadata),
+            )
+        for part in unnamed:
+            self.collect(part)
+        return self._catalog.get(run, step), True
+
+    def collect(self, part: PartRecord) -> bool:
+        """Delete a part that nobody writes and no commit names: its blob, then its rows
+        (the row names the blob: it goes last). Whether it is gone."""
+        try:
+            delete_blob(self._store, part.blob_key)
+        except Exception as exc:
+            log.warning("cannot delete part blob %r yet: %s", part.blob_key, exc)
+            return False
+        self._catalog.drop_part(part.id)
+        return True
+
+
+def check_metadata(metadata: object) -> dict[str, str]:
+    """A commit's metadata: a JSON object of strings."""
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise InvalidRequest("metadata must be an object of strings")
+    return metadata

@@ -1,0 +1,172 @@
+"""Checkpoints written in parts by several writers and committed once, against a real
+service over raw HTTP (SQLite + local folder; tests/integration/test_dcp.py drives them
+through torch.distributed.checkpoint, and PostgreSQL + S3 replicas)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from ckptstore_core.wire import FORMAT, encode_header
+from support.bodies import assert_error
+from support.serviceproc import Service
+from support.waiting import wait_until
+
+
+def part_body(tensors: dict[str, np.ndarray]) -> bytes:
+    prefix, _ = encode_header(
+        [(name, "F32", a.shape) for name, a in tensors.items()], {"format": FORMAT}
+    )
+    return prefix + b"".join(a.astype(np.float32).tobytes() for a in tensors.values())
+
+
+def shards(step: int, ranks: int = 2, rows: int = 64, cols: int = 512) -> list[dict[str, np.ndarray]]:
+    """Each rank's dim-0 shard of two tensors, changing a little from step to step."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    b = rng.standard_normal((rows,)).astype(np.float32)
+    w[:, : step % cols] += np.float32(1e-3) * step  # a slowly changing part
+    per = rows // ranks
+    return [
+        {
+            f"w@{r * per},0": w[r * per : (r + 1) * per],
+            f"b@{r * per}": b[r * per : (r + 1) * per],
+        }
+        for r in range(ranks)
+    ]
+
+
+def put_part(url: str, run: str, step: int, part: str, body: bytes) -> httpx.Response:
+    with httpx.Client(base_url=url, timeout=60) as c:
+        return c.put(f"/v1/runs/{run}/checkpoints/{step}/parts/{part}", content=body)
+
+
+def commit(url: str, run: str, step: int, parts: list[str], meta: dict[str, str] | None = None):
+    with httpx.Client(base_url=url, timeout=60) as c:
+        return c.post(
+            f"/v1/runs/{run}/checkpoints/{step}/commit",
+            json={"parts": parts, "metadata": meta or {}},
+        )
+
+
+def tensors_of(content: bytes) -> dict[str, bytes]:
+    (n,) = struct.unpack("<Q", content[:8])
+    header = json.loads(content[8 : 8 + n])
+    data = content[8 + n :]
+    return {
+        name: data[spec["data_offsets"][0] : spec["data_offsets"][1]]
+        for name, spec in header.items()
+        if name != "__metadata__"
+    }
+
+
+def save_in_parts(url: str, run: str, step: int, ranks: int = 2) -> list[dict[str, np.ndarray]]:
+    bodies = shards(step, ranks)
+    with ThreadPoolExecutor(ranks) as pool:  # the ranks upload at the same time
+        answers = list(
+            pool.map(
+                lambda r: put_part(url, run, step, f"rank-{r}", part_body(bodies[r])),
+                range(ranks),
+            )
+        )
+    assert [a.status_code for a in answers] == [201] * ranks, [a.text for a in answers]
+    return bodies
+
+
+def test_parts_are_invisible_until_the_commit_then_load_as_one_checkpoint(
+    make_service: Callable[..., Service],
+) -> None:
+    svc = make_service()
+    save_in_parts(svc.url, "dist", 1)
+    with httpx.Client(base_url=svc.url, timeout=60) as c:
+        assert c.get("/v1/runs/dist/checkpoints").status_code == 404  # nothing visible
+        assert c.get("/v1/runs/dist/checkpoints/latest").status_code == 404
+    done = commit(svc.url, "dist", 1, ["rank-0", "rank-1"], {"dcp": "{}"})
+    assert done.status_code == 201, done.text
+    assert done.json()["parts"] == 2 and done.json()["step"] == 1
+    with httpx.Client(base_url=svc.url, timeout=60) as c:
+        listed = c.get("/v1/runs/dist/checkpoints").json()["checkpoints"]
+        assert [(ck["step"], ck["parts"]) for ck in listed] == [(1, 2)]
+        whole = c.get("/v1/runs/dist/checkpoints/1")
+        assert whole.status_code == 200
+        info = c.get("/v1/runs/dist/checkpoints/latest/info").json()
+        picked = c.post("/v1/runs/dist/checkpoints/1/select", json={"names": ["w@32,0"]})
+    expected = {k: v.tobytes() for part in shards(1) for k, v in part.items()}
+    assert tensors_of(whole.content) == expected
+    assert [t["name"] for t in info["tensors"]] == list(expected)
+    assert info["metadata"]["dcp"] == "{}" and info["checkpoint"]["parts"] == 2
+    assert tensors_of(picked.content) == {"w@32,0": expected["w@32,0"]}
+    assert int(picked.headers["content-length"]) < len(whole.content) / 2
+
+
+def test_the_next_save_of_the_same_shards_pays_deltas(make_service: Callable[..., Service]):
+    svc = make_service()
+    for step in (1, 2):
+        save_in_parts(svc.url, "deltas", step)
+        assert commit(svc.url, "deltas", step, ["rank-0", "rank-1"]).status_code == 201
+    with httpx.Client(base_url=svc.url, timeout=60) as c:
+        first, second = c.get("/v1/runs/deltas/checkpoints").json()["checkpoints"]
+        back = c.get("/v1/runs/deltas/checkpoints/2")
+    assert second["parent_step"] == 1 and second["chain_depth"] >= 1 and first["keyframe"]
+    assert second["stored_bytes"] < first["stored_bytes"] / 2
+    expected = {k: v.tobytes() for part in shards(2) for k, v in part.items()}
+    assert tensors_of(back.content) == expected
+
+
+def test_retries_conflicts_and_bad_commits(make_service: Callable[..., Service]) -> None:
+    svc = make_service()
+    bodies = save_in_parts(svc.url, "retry", 5)
+    again = put_part(svc.url, "retry", 5, "rank-0", part_body(bodies[0]))
+    assert again.status_code == 200, again.text  # same content: idempotent
+    other = put_part(svc.url, "retry", 5, "rank-0", part_body(bodies[1]))
+    assert_error(other, 409, "checkpoint_exists")
+    assert_error(commit(svc.url, "retry", 5, ["rank-0", "rank-7"]), 400, "invalid_request")
+    assert_error(commit(svc.url, "retry", 6, ["rank-0"]), 400, "invalid_request")
+    assert_error(put_part(svc.url, "retry", 5, "-x", b""), 400, "invalid_request")
+    assert commit(svc.url, "retry", 5, ["rank-0", "rank-1"]).status_code == 201
+    assert commit(svc.url, "retry", 5, ["rank-0", "rank-1"]).status_code == 200  # a retry
+    assert_error(commit(svc.url, "retry", 5, ["rank-0"]), 409, "checkpoint_exists")
+    late = put_part(svc.url, "retry", 5, "rank-2", part_body(bodies[0]))
+    assert_error(late, 409, "checkpoint_exists")
+
+
+def test_clashing_names_and_unnamed_parts(make_service: Callable[..., Service]) -> None:
+    svc = make_service()
+    bodies = shards(3)
+    for part, body in (("a", bodies[0]), ("b", bodies[0]), ("c", bodies[1])):
+        assert put_part(svc.url, "clash", 3, part, part_body(body)).status_code == 201
+    assert_error(commit(svc.url, "clash", 3, ["a", "b"]), 400, "invalid_request")
+    blobs = svc.data_dir / "blobs" / "runs" / "clash"
+    assert len(os.listdir(blobs)) == 3
+    assert commit(svc.url, "clash", 3, ["a", "c"]).status_code == 201
+    assert len(os.listdir(blobs)) == 2  # part b, named by no commit, is gone
+
+
+def test_parts_never_committed_are_collected(make_service: Callable[..., Service]) -> None:
+    svc = make_service({"CKPTSTORE_INCOMPLETE_UPLOAD_TTL_S": "1"})
+    save_in_parts(svc.url, "gone", 1)
+    blobs = svc.data_dir / "blobs" / "runs" / "gone"
+    assert len(os.listdir(blobs)) == 2
+    svc.stop()
+    svc.start()  # the start-up sweep collects what is older than the TTL
+    wait_until(lambda: not os.listdir(blobs), timeout=30)
+    save_in_parts(svc.url, "gone", 1)  # and the step can be saved afresh
+    assert commit(svc.url, "gone", 1, ["rank-0", "rank-1"]).status_code == 201
+
+
+@pytest.mark.parametrize("where", ["header", "data"])
+def test_a_part_cut_short_leaves_nothing(make_service: Callable[..., Service], where: str):
+    svc = make_service()
+    body = part_body(shards(1)[0])
+    cut = body[:10] if where == "header" else body[: len(body) - 100]
+    assert_error(put_part(svc.url, "cut", 1, "rank-0", cut), 400, "invalid_stream")
+    blobs = svc.data_dir / "blobs" / "runs" / "cut"
+    wait_until(lambda: not blobs.is_dir() or not os.listdir(blobs), timeout=30)
+    assert put_part(svc.url, "cut", 1, "rank-0", body).status_code == 201
