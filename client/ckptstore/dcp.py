@@ -40,6 +40,7 @@ import io
 import json
 import math
 import os
+import pickle
 import re
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -696,7 +697,14 @@ def full_state(
         md = metadata.state_dict_metadata[fqn]
         if isinstance(md, BytesStorageMetadata):
             raw = _stored(tensors, storage, MetadataIndex(fqn))
-            flat[fqn] = torch.load(io.BytesIO(tensor_bytes(raw)), weights_only=True)
+            try:
+                flat[fqn] = torch.load(io.BytesIO(tensor_bytes(raw)), weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise InvalidRequest(
+                    f"{fqn}: DCP saved it as a pickled object that is no plain value "
+                    f"(torch.load(weights_only=True) refuses it: {exc}); load this "
+                    "checkpoint with dcp.load into a state dict that has the object"
+                ) from exc
             continue
         dtype, size = md.properties.dtype, md.size
         if (

@@ -121,6 +121,20 @@ def test_a_committed_step_is_not_written_again(service: Service, saved: Path) ->
     assert [c.step for c in CheckpointClient(service.url).list("fsdp")] == SAVES
 
 
+def test_a_rank_failing_mid_upload_leaves_nothing_and_the_save_is_retried(
+    make_service: Any, tmp_path: Path
+) -> None:
+    service = make_service()
+    dcp_ranks.launch(dcp_ranks.failing_save, 2, service.url, "fails", str(tmp_path))
+    for rank in range(2):  # DCP reports the one rank's failure on every rank
+        assert "this rank fails mid-upload" in (tmp_path / f"failed-{rank}.txt").read_text()
+    # nothing of step 2 was visible after the failure: latest was still step 1
+    assert json.loads((tmp_path / "latest-after-failure.json").read_text()) == "fails/1"
+    with CheckpointClient(service.url) as client:
+        assert [c.step for c in client.list("fails")] == [1, 2]
+        assert_same_state(_plain(_full(tmp_path / "full-2.pt")), client.load("fails", 2))
+
+
 def test_hsdp_stores_one_replica(make_service: Any, tmp_path: Path) -> None:
     """HSDP on a 2x2 mesh (replicate x shard) stores the bytes a 2-rank FSDP save of the
     same state stores: DCP's dedup writes each replicated shard once. (Untrained, so both

@@ -20,6 +20,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -228,4 +231,47 @@ def async_run(
     dist.barrier()
     if rank == 0:
         Path(out, "stalls.json").write_text(json.dumps(stalls))
+    dist.destroy_process_group()
+
+
+class _FailingPlanner(DefaultSavePlanner):
+    """Fails to resolve the second tensor it is asked for: mid-way through the part's body
+    (the writer resolves tensors while streaming them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resolved = 0
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        self.resolved += write_item.tensor_data is not None
+        if self.resolved == 2:
+            raise RuntimeError("this rank fails mid-upload")
+        return super().resolve_data(write_item)
+
+
+def failing_save(rank: int, world: int, port: int, url: str, run: str, out: str) -> None:
+    """Save step 1; then a save of step 2 in which the last rank fails while streaming its
+    part (every rank must see the failure); then step 2 again, which must land."""
+    init(rank, world, port)
+    model, opt = build()
+    writer = CkptStoreWriter(url, run)
+    train_step(model, opt, 1)
+    dcp.save(sharded(model, opt), storage_writer=writer, checkpoint_id=1)
+    train_step(model, opt, 2)
+    planner = _FailingPlanner() if rank == world - 1 else None
+    try:
+        dcp.save(sharded(model, opt), storage_writer=writer, checkpoint_id=2, planner=planner)
+    except CheckpointException as exc:
+        Path(out, f"failed-{rank}.txt").write_text(str(exc))
+    latest = CkptStoreReader(url, run)
+    dist.barrier()
+    if rank == 0:
+        Path(out, "latest-after-failure.json").write_text(
+            json.dumps(latest.read_metadata().storage_meta.checkpoint_id)  # type: ignore[union-attr]
+        )
+    dist.barrier()
+    dcp.save(sharded(model, opt), storage_writer=writer, checkpoint_id=2)
+    full = gathered(model, opt)
+    if rank == 0:
+        torch.save(full, Path(out) / "full-2.pt")
     dist.destroy_process_group()

@@ -254,3 +254,21 @@ def _stringified(state: Any) -> Any:
     if isinstance(state, list):
         return [_stringified(v) for v in state]
     return state
+
+
+class _Custom:
+    pass
+
+
+def test_full_state_refuses_objects_that_are_no_plain_values() -> None:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(_Custom(), buf)
+    metadata = Metadata(
+        state_dict_metadata={"obj": BytesStorageMetadata()},
+        storage_data={MetadataIndex("obj"): StorageInfo("rank-0", "obj@bytes")},
+    )
+    stored = {"obj@bytes": torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)}
+    with pytest.raises(InvalidRequest, match="weights_only"):
+        full_state(metadata, stored)
