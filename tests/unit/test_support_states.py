@@ -199,3 +199,23 @@ def test_actual_tensors_are_on_the_cpu() -> None:
     assert_same_state({"w": w.cuda()}, {"w": w})  # expected may live anywhere
     with pytest.raises(AssertionError, match="cuda"):
         assert_same_state({"w": w}, {"w": w.cuda()})
+
+
+@pytest.mark.skipif(
+    np.finfo(np.longdouble).nmant != 63, reason="long double is not x87's 80-bit format here"
+)
+def test_long_double_padding_is_no_part_of_the_value() -> None:
+    """x86's 80-bit long double fills 16 bytes; numpy leaves the last 6 as whatever memory
+    held, so two equal values may differ there (seen with numpy 2.5)."""
+    value = (np.longdouble(1) / 3).tobytes()[:10]
+    one = np.frombuffer(value + b"\0" * 6, dtype=np.longdouble)
+    other = np.frombuffer(value + b"\xff" * 6, dtype=np.longdouble)
+    assert one.tobytes() != other.tobytes()
+    assert_same_state(
+        [one, one[0], one.astype(np.clongdouble)], [other, other[0], other.astype(np.clongdouble)]
+    )
+    flipped = np.frombuffer(bytes([value[0] ^ 1]) + value[1:] + b"\0" * 6, dtype=np.longdouble)
+    with pytest.raises(AssertionError, match="bytes differ"):
+        assert_same_state(one, flipped)
+    with pytest.raises(AssertionError):
+        assert_same_state(one[0], flipped[0])
