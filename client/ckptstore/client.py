@@ -198,7 +198,8 @@ class CheckpointClient:
         service still down after ``retries`` (:class:`~ckptstore_core.errors.ServiceUnavailable`),
         a conflicting step -- each is set on the returned future and logged as a warning on
         the ``ckptstore`` logger. The buffers hold one host copy of the state's tensors until
-        :meth:`close`.
+        :meth:`close`. The future's done-callbacks run on the upload thread: calling
+        ``save_async``, :meth:`wait` or :meth:`close` from one raises ``RuntimeError``.
 
         Before the process ends, call :meth:`wait` (raises the last save's error) or
         :meth:`close` (waits, raises nothing), or leave the client's ``with`` block. As a

@@ -185,11 +185,22 @@ class AsyncSaver:
         self._staging = StagingBuffers()
         self._executor: ThreadPoolExecutor | None = None
         self._last: Future[CheckpointInfo] | None = None
+        self._worker: int | None = None  # the upload thread's ident
+
+    def _refuse_on_worker(self, what: str) -> None:
+        # A future's done-callbacks run on the upload thread: waiting there for an upload
+        # (the next one is queued behind the callback) would never end.
+        if threading.get_ident() == self._worker:
+            raise RuntimeError(
+                f"{what} cannot be called from a save_async future's done-callback (it runs "
+                "on the upload thread, which the call would wait for)"
+            )
 
     def submit(
         self, run: str, step: int, state: object, progress: bool | None
     ) -> Future[CheckpointInfo]:
         """Stage ``state`` and start its upload; returns once the state is copied."""
+        self._refuse_on_worker("save_async")
         with self._lock:
             if self._last is not None:
                 wait_for([self._last])
@@ -212,6 +223,7 @@ class AsyncSaver:
             return future
 
     def _run(self, run: str, step: int, flat: FlatState, progress: bool | None) -> CheckpointInfo:
+        self._worker = threading.get_ident()
         try:
             return self._upload(run, step, flat, progress)
         except Exception as exc:
@@ -223,6 +235,7 @@ class AsyncSaver:
 
         Raises that save's error, or ``TimeoutError`` when ``timeout`` seconds pass first.
         """
+        self._refuse_on_worker("wait")
         last = self._last
         return None if last is None else last.result(timeout)
 
@@ -232,6 +245,7 @@ class AsyncSaver:
         Never raises a save's error (that stays on its future). A later :meth:`submit`
         starts afresh.
         """
+        self._refuse_on_worker("close")
         with self._lock:
             executor, self._executor = self._executor, None
             if executor is not None:

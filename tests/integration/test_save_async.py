@@ -317,6 +317,35 @@ def test_a_state_that_cannot_be_flattened_fails_on_the_future(
     assert client.save_async("bad-state", 1, {"w": torch.ones(2)}).result(timeout=60).step == 1
 
 
+def test_a_done_callback_cannot_wait_for_uploads(
+    client: CheckpointClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # callbacks run on the upload thread: save_async/wait/close there would wait for it
+    release = gate_uploads(client, monkeypatch)
+    future = client.save_async("callback", 1, {"w": torch.ones(3)})
+    refused: list[BaseException] = []
+    called = threading.Event()
+
+    def callback(_: object) -> None:
+        for call in (
+            lambda: client.save_async("callback", 2, {"w": torch.ones(3)}),
+            client.wait,
+            client.close,
+        ):
+            try:
+                call()
+            except RuntimeError as exc:
+                refused.append(exc)
+        called.set()
+
+    future.add_done_callback(callback)
+    release.set()
+    assert future.result(timeout=60).step == 1
+    assert called.wait(60)
+    assert len(refused) == 3 and all("done-callback" in str(e) for e in refused)
+    assert client.save_async("callback", 2, {"w": torch.ones(3)}).result(timeout=60).step == 2
+
+
 # ------------------------------------------------------------------------- concurrency
 
 
