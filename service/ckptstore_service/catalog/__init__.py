@@ -141,8 +141,8 @@ class Catalog:
             sibling_bases=sibling_bases,
         )
 
-    def part_tensors(self, part_id: int) -> list[TensorInfo]:
-        return parts.part_tensors(self._db, part_id)
+    def part_tensors(self, part: PartRecord) -> list[TensorInfo]:
+        return parts.part_tensors(self._db, part)
 
     def drop_part(self, part_id: int) -> None:
         parts.drop_part(self._db, part_id)

@@ -25,8 +25,8 @@ _CHUNK_COLUMNS = (*NewChunk.__slots__, "id")
 _SEED_BATCH = 500
 
 
-def tensors(db: Database, checkpoint_id: int) -> list[TensorInfo]:
-    """The checkpoint's tensors, by index."""
+def tensors(db: Database, checkpoint_id: int, *, part_id: int | None = None) -> list[TensorInfo]:
+    """The checkpoint's tensors, by index (with ``part_id``: that part's only)."""
     query = (
         select(
             TensorRow.idx,
@@ -40,6 +40,8 @@ def tensors(db: Database, checkpoint_id: int) -> list[TensorInfo]:
         .where(TensorRow.checkpoint_id == checkpoint_id)
         .order_by(TensorRow.idx)
     )
+    if part_id is not None:
+        query = query.where(TensorRow.part_id == part_id)
     with db.session() as s:
         rows = s.execute(query).all()
     return [

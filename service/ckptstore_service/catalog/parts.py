@@ -28,9 +28,11 @@ from datetime import UTC, datetime
 
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from ckptstore_core.errors import CheckpointExists, InvalidRequest
 from ckptstore_service.catalog.db import Database, utc
+from ckptstore_service.catalog.graph import tensors
 from ckptstore_service.catalog.models import (
     COMMITTED,
     DONE,
@@ -44,6 +46,7 @@ from ckptstore_service.catalog.models import (
     TensorRow,
 )
 from ckptstore_service.catalog.records import NewChunk, TensorInfo
+from ckptstore_service.catalog.uploads import insert_rows
 
 __all__ = [
     "PartRecord",
@@ -150,42 +153,8 @@ def finish_part(
     sibling_bases: dict[int, int],
 ) -> None:
     """The part's rows and ``done``, in one transaction, once its blob is durable."""
-    tensor_rows = [
-        {
-            "checkpoint_id": part.checkpoint_id,
-            "part_id": part.id,
-            "idx": t.idx,
-            "name": t.name,
-            "dtype": t.dtype,
-            "shape": json.dumps(list(t.shape)),
-            "begin": t.begin,
-            "nbytes": t.nbytes,
-            "checksum": t.checksum,
-        }
-        for t in tensors
-    ]
-    chunk_rows = [
-        {
-            "checkpoint_id": part.checkpoint_id,
-            "part_id": part.id,
-            **{f: getattr(c, f) for f in NewChunk.__slots__},
-        }
-        for c in chunks
-    ]
     with db.session() as s:
-        if tensor_rows:
-            s.execute(insert(_TENSORS), tensor_rows)
-        first = [i for i in range(len(chunk_rows)) if i not in sibling_bases]
-        if first:
-            ids = s.scalars(
-                insert(_CHUNKS).returning(_CHUNKS.c.id, sort_by_parameter_order=True),
-                [chunk_rows[i] for i in first],
-            ).all()
-            id_of = dict(zip(first, ids, strict=True))
-            for i, base in sibling_bases.items():
-                chunk_rows[i]["base_id"] = id_of[base]
-        if sibling_bases:
-            s.execute(insert(_CHUNKS), [chunk_rows[i] for i in sibling_bases])
+        insert_rows(s, part.checkpoint_id, part.id, tensors, chunks, sibling_bases)
         s.execute(
             update(Part)
             .where(Part.id == part.id)
@@ -193,29 +162,14 @@ def finish_part(
                 status=DONE,
                 raw_bytes=raw_bytes,
                 stored_bytes=stored_bytes,
-                n_tensors=len(tensor_rows),
+                n_tensors=len(tensors),
             )
         )
 
 
-def part_tensors(db: Database, part_id: int) -> list[TensorInfo]:
+def part_tensors(db: Database, part: PartRecord) -> list[TensorInfo]:
     """A finished part's tensors, numbered within the part (before the commit)."""
-    query = (
-        select(
-            TensorRow.idx,
-            TensorRow.name,
-            TensorRow.dtype,
-            TensorRow.shape,
-            TensorRow.begin,
-            TensorRow.nbytes,
-            TensorRow.checksum,
-        )
-        .where(TensorRow.part_id == part_id)
-        .order_by(TensorRow.idx)
-    )
-    with db.session() as s:
-        rows = s.execute(query).all()
-    return [TensorInfo(i, n, d, tuple(json.loads(sh)), b, nb, c) for i, n, d, sh, b, nb, c in rows]
+    return tensors(db, part.checkpoint_id, part_id=part.id)
 
 
 def drop_part(db: Database, part_id: int) -> None:
@@ -249,6 +203,26 @@ def _check_parts(
             raise InvalidRequest(f"part {name!r} of {run}/{step} {what}")
         listed.append(part)
     return listed
+
+
+def _renumber(s: Session, listed: list[PartRecord]) -> tuple[int, int]:
+    """Number the parts' tensors on from each other's, in ``listed`` order: indices, and
+    offsets in the checkpoint's data section. Returns the totals (tensors, bytes)."""
+    idx = begin = 0
+    for p in listed:
+        s.execute(
+            update(_TENSORS)
+            .where(_TENSORS.c.part_id == p.id)
+            .values(idx=_TENSORS.c.idx + idx, begin=_TENSORS.c.begin + begin)
+        )
+        s.execute(
+            update(_CHUNKS)
+            .where(_CHUNKS.c.part_id == p.id)
+            .values(tensor_idx=_CHUNKS.c.tensor_idx + idx)
+        )
+        idx += p.n_tensors
+        begin += p.raw_bytes
+    return idx, begin
 
 
 def commit_parts(
@@ -288,20 +262,7 @@ def commit_parts(
         ).scalar()
         if clash is not None:
             raise InvalidRequest(f"tensor {clash!r} is in more than one part of {run}/{step}")
-        idx = begin = 0
-        for p in listed:
-            s.execute(
-                update(_TENSORS)
-                .where(_TENSORS.c.part_id == p.id)
-                .values(idx=_TENSORS.c.idx + idx, begin=_TENSORS.c.begin + begin)
-            )
-            s.execute(
-                update(_CHUNKS)
-                .where(_CHUNKS.c.part_id == p.id)
-                .values(tensor_idx=_CHUNKS.c.tensor_idx + idx)
-            )
-            idx += p.n_tensors
-            begin += p.raw_bytes
+        idx, begin = _renumber(s, listed)
         depth = s.scalar(
             select(func.max(Chunk.depth)).where(Chunk.part_id.in_([p.id for p in listed]))
         )

@@ -36,7 +36,7 @@ from ckptstore_service.catalog.models import (
 )
 from ckptstore_service.catalog.records import NewChunk, TensorInfo
 
-__all__ = ["Figures", "abort", "begin", "commit", "uploads_in_progress"]
+__all__ = ["Figures", "abort", "begin", "commit", "insert_rows", "uploads_in_progress"]
 
 # Core tables rather than ORM entities: the ORM's bulk path costs ~5x the CPU per row, and a
 # checkpoint has thousands of chunks.
@@ -90,9 +90,37 @@ def commit(
     fp32 master): those get their ``base_id`` once the others have ids. Raises
     CheckpointExists, changing nothing, if the step was committed meanwhile.
     """
+    try:
+        with db.session() as s:
+            insert_rows(s, checkpoint_id, 0, tensors, chunks, sibling_bases)
+            s.execute(
+                update(Checkpoint)
+                .where(Checkpoint.id == checkpoint_id)
+                .values(
+                    status=COMMITTED,
+                    n_tensors=len(tensors),
+                    committed_at=datetime.now(UTC),
+                    **figures.columns(),
+                )
+            )
+    except IntegrityError as exc:
+        raise CheckpointExists(f"checkpoint {checkpoint_id} was committed concurrently") from exc
+
+
+def insert_rows(
+    s: Session,
+    checkpoint_id: int,
+    part_id: int,
+    tensors: Sequence[TensorInfo],
+    chunks: Sequence[NewChunk],
+    sibling_bases: Mapping[int, int],
+) -> None:
+    """Insert the tensor and chunk rows of a checkpoint (or of its part ``part_id``; 0:
+    none) in the transaction ``s``. ``sibling_bases`` as :func:`commit` takes it."""
+    owner = {"checkpoint_id": checkpoint_id, "part_id": part_id}
     tensor_rows = [
         {
-            "checkpoint_id": checkpoint_id,
+            **owner,
             "idx": t.idx,
             "name": t.name,
             "dtype": t.dtype,
@@ -103,27 +131,10 @@ def commit(
         }
         for t in tensors
     ]
-    chunk_rows = [
-        {"checkpoint_id": checkpoint_id, **{f: getattr(c, f) for f in NewChunk.__slots__}}
-        for c in chunks
-    ]
-    try:
-        with db.session() as s:
-            if tensor_rows:
-                s.execute(insert(_TENSORS), tensor_rows)
-            _insert_chunks(s, chunk_rows, dict(sibling_bases))
-            s.execute(
-                update(Checkpoint)
-                .where(Checkpoint.id == checkpoint_id)
-                .values(
-                    status=COMMITTED,
-                    n_tensors=len(tensor_rows),
-                    committed_at=datetime.now(UTC),
-                    **figures.columns(),
-                )
-            )
-    except IntegrityError as exc:
-        raise CheckpointExists(f"checkpoint {checkpoint_id} was committed concurrently") from exc
+    if tensor_rows:
+        s.execute(insert(_TENSORS), tensor_rows)
+    chunk_rows = [{**owner, **{f: getattr(c, f) for f in NewChunk.__slots__}} for c in chunks]
+    _insert_chunks(s, chunk_rows, dict(sibling_bases))
 
 
 def _insert_chunks(s: Session, rows: list[dict[str, Any]], siblings: dict[int, int]) -> None:
