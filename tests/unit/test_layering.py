@@ -47,3 +47,15 @@ def test_the_service_app_leaves_torch_and_the_client_out() -> None:
 def test_import_ckptstore_does_not_import_torch() -> None:
     modules = _imported_after("import ckptstore")
     assert "torch" not in modules and "ckptstore_service" not in modules
+
+
+def test_the_service_image_copies_every_package_of_the_wheel() -> None:
+    import tomllib
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"][
+        "targets"
+    ]["wheel"]["packages"]
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    for package in packages:
+        top = package.split("/")[0]
+        assert f"COPY {top} ./{top}" in dockerfile, top

@@ -1,6 +1,6 @@
 """The blob store contract.
 
-A blob store maps string keys (``runs/<run>/<uuid>.blob``; ``/``-separated, no ``..``) to
+A blob store maps string keys (``runs/<run>/<step>-<uuid>.blob``; ``/``-separated, no ``..``) to
 immutable byte strings. The service writes each checkpoint's encoded chunks as one blob and
 reads chunks back with ranged reads.
 
