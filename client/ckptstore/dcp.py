@@ -9,9 +9,12 @@
 How a checkpoint is stored
     Every rank uploads its own write items as one *part* of the checkpoint (``rank-{i}``,
     ``i`` its rank in the process group), streamed tensor by tensor from its shards: no rank
-    holds more than its own items. A shard is the tensor ``{fqn}@{offsets}`` (its global
-    offsets joined by ``,``; ``"model.w@0,64"``), so the same shard of the next save has the
-    same name and the service stores its delta against it; a non-tensor item (DCP's own
+    holds more than its own items. A shard is cut along dim 0 into pieces at a grid of the
+    global tensor (cells of ``grid_bytes``, default 4 MiB; :func:`grid_cuts`), and a piece
+    is the tensor ``{fqn}@{offsets}`` (its global offsets joined by ``,``;
+    ``"model.w@1024,0"``). So the same piece of the next save has the same name and shape
+    and the service stores its delta against it -- also after the world size changed,
+    wherever both worlds' shards cover whole cells. A non-tensor item (DCP's own
     ``torch.save`` bytes: learning rates, param group lists) travels as a ``U8`` tensor
     ``{fqn}@bytes``. The coordinator's ``finish`` then commits all parts at once with DCP's
     :class:`~torch.distributed.checkpoint.metadata.Metadata` as JSON (:func:`metadata_to_json`)
@@ -19,9 +22,9 @@ How a checkpoint is stored
     commit nothing is visible; ``latest`` moves with it.
 
 How it is loaded
-    Each rank reads the metadata (``GET .../info``), lets DCP plan which stored shards its
+    Each rank reads the metadata (``GET .../info``), lets DCP plan which stored pieces its
     own tensors overlap, and fetches exactly those tensors in one ``POST .../select``,
-    copying the overlapping regions into place as each shard arrives. Any world size loads
+    copying the overlapping regions into place as each piece arrives. Any world size loads
     any other's checkpoint. Without a process group, :func:`load_full` (and
     :meth:`ckptstore.CheckpointClient.load`) assembles the full, unsharded state dict.
 
@@ -100,6 +103,8 @@ __all__ = [
 
 #: The commit metadata key holding DCP's Metadata as JSON.
 METADATA_KEY = "dcp"
+#: The default of ``CkptStoreWriter(grid_bytes=...)``: the service's default chunk size.
+GRID_BYTES = 4 << 20
 #: DCP's metadata version, as its FileSystemWriter writes it (torch 2.4+).
 DCP_VERSION = "1.0.0"
 _CODEC_VERSION = 1
@@ -182,10 +187,45 @@ class StorageInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class _Pieces:
+    """``SavePlan.storage_data`` of a local plan: each grid piece's index -> the index of the
+    shard it was cut from (what the planner resolves)."""
+
+    shards: dict[MetadataIndex, MetadataIndex]
+
+
+@dataclass(frozen=True, slots=True)
 class _PartPlan:
-    """``SavePlan.storage_data``: the part a rank uploads (set by the coordinator)."""
+    """``SavePlan.storage_data`` of a final plan: the part a rank uploads (named by the
+    coordinator) and its pieces."""
 
     part: str
+    shards: dict[MetadataIndex, MetadataIndex]
+
+
+def grid_cuts(
+    size: Sequence[int], itemsize: int, start: int, rows: int, grid_bytes: int | None
+) -> list[tuple[int, int]]:
+    """``(first row, rows)`` of the pieces that rows ``[start, start + rows)`` of a tensor of
+    ``size`` are stored as: cut at the multiples of the tensor's grid, ``cell`` rows, the
+    largest power of two whose rows hold at most ``grid_bytes`` (at least one row). The grid
+    depends on the global tensor only, so shards of any world size that cover whole cells
+    store those cells under the same names and shapes, and the service diffs them against
+    the previous checkpoint's even when the world size changed; a load reads whole pieces,
+    so at most a cell more than it needs at each end of a shard."""
+    if grid_bytes is None or not size or rows <= 1:
+        return [(start, rows)]
+    row_bytes = math.prod(size[1:]) * itemsize
+    if row_bytes == 0:
+        return [(start, rows)]
+    cell = 1 << max(0, (grid_bytes // row_bytes).bit_length() - 1)
+    cuts = []
+    row, end = start, start + rows
+    while row < end:
+        stop = min(end, (row // cell + 1) * cell)
+        cuts.append((row, stop - row))
+        row = stop
+    return cuts
 
 
 def _ints(value: object, what: str) -> torch.Size:
@@ -402,6 +442,9 @@ class CkptStoreWriter(StorageWriter):
     ``step`` may instead come as ``dcp.save(..., checkpoint_id=step)`` (or ``"run/step"``),
     which is how one writer saves many steps. ``client_options`` go to
     :class:`~ckptstore.CheckpointClient` (``timeout``, ``retries``, ``backoff``).
+    ``grid_bytes`` sets the grid pieces are cut at (:func:`grid_cuts`; ``None``: one piece
+    per shard). Below 64 KiB the service stores pieces whole, never as deltas; smaller
+    cells keep more pieces' names across world sizes, at one catalog row per piece.
 
     Every rank uploads its items as one part; the coordinator commits them once. A step
     that already exists is refused (:class:`~ckptstore.CheckpointExists`), unless it is the
@@ -409,11 +452,22 @@ class CkptStoreWriter(StorageWriter):
     needs every rank's results.
     """
 
-    def __init__(self, url: str, run: str, step: int | None = None, **client_options: Any) -> None:
+    def __init__(
+        self,
+        url: str,
+        run: str,
+        step: int | None = None,
+        *,
+        grid_bytes: int | None = GRID_BYTES,
+        **client_options: Any,
+    ) -> None:
         super().__init__()
         self.url = url
         self.run = check_run_name(run)
         self.step = None if step is None else int(parse_checkpoint_id(step)[1])
+        if grid_bytes is not None and grid_bytes < 1:
+            raise ValueError(f"grid_bytes must be positive or None, got {grid_bytes}")
+        self.grid_bytes = grid_bytes
         self.client_options = dict(client_options)
         self.rank = 0
         self.is_coordinator = True
@@ -456,36 +510,79 @@ class CkptStoreWriter(StorageWriter):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        """Cut each tensor item along dim 0 at its grid (:func:`grid_cuts`): the items DCP
+        plans, dedups and records in the metadata are the pieces."""
+        if not plan.usable:
+            return plan
+        items: list[WriteItem] = []
+        shards: dict[MetadataIndex, MetadataIndex] = {}
+        for item in plan.items:
+            td = item.tensor_data
+            if td is None:
+                items.append(item)
+                continue
+            if not td.chunk.sizes:  # a scalar
+                items.append(item)
+                continue
+            itemsize = td.properties.dtype.itemsize
+            start, rows = td.chunk.offsets[0], td.chunk.sizes[0]
+            cuts = grid_cuts(td.size, itemsize, start, rows, self.grid_bytes)
+            if len(cuts) == 1:
+                items.append(item)
+                continue
+            for first, count in cuts:
+                offsets = torch.Size([first, *td.chunk.offsets[1:]])
+                chunk = ChunkStorageMetadata(offsets, torch.Size([count, *td.chunk.sizes[1:]]))
+                index = MetadataIndex(item.index.fqn, offsets)
+                # SHARD: DCP takes several items of one tensor only as shards
+                piece = WriteItem(
+                    index=index,
+                    type=WriteItemType.SHARD,
+                    tensor_data=dataclasses.replace(td, chunk=chunk),
+                )
+                items.append(piece)
+                shards[index] = item.index
+        return dataclasses.replace(plan, items=items, storage_data=_Pieces(shards))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # plans come in rank order; an unusable plan (DCP's plan cache: "no change") keeps
         # the cached final plan and with it the part named the first time
-        return [
-            dataclasses.replace(plan, storage_data=_PartPlan(f"rank-{i}")) if plan.usable else plan
-            for i, plan in enumerate(plans)
-        ]
+        out = []
+        for i, plan in enumerate(plans):
+            if plan.usable:
+                local = plan.storage_data
+                shards = local.shards if isinstance(local, _Pieces) else {}
+                plan = dataclasses.replace(plan, storage_data=_PartPlan(f"rank-{i}", shards))
+            out.append(plan)
+        return out
 
     def _client(self) -> CheckpointClient:
         return CheckpointClient(self.url, **self.client_options)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         storage = plan.storage_data
-        part = storage.part if isinstance(storage, _PartPlan) else f"rank-{self.rank}"
-        results = self._upload(part, plan.items, planner) if plan.items else []
+        if isinstance(storage, _PartPlan):
+            part, shards = storage.part, storage.shards
+        else:
+            part, shards = f"rank-{self.rank}", {}
+        results = self._upload(part, plan.items, shards, planner) if plan.items else []
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
     def _upload(
-        self, part: str, items: Sequence[WriteItem], planner: SavePlanner
+        self,
+        part: str,
+        items: Sequence[WriteItem],
+        shards: Mapping[MetadataIndex, MetadataIndex],
+        planner: SavePlanner,
     ) -> list[WriteResult]:
         """Stream ``items`` as part ``part``: the tensors resolved one at a time, widest
         dtype and largest first (as ``CheckpointClient.save`` orders them), then the
         non-tensor items (small, resolved up front: their size is only known then)."""
         assert self.step is not None
-        shards = [(i, i.tensor_data) for i in items if i.tensor_data is not None]
-        shards.sort(
+        tensors = [(i, i.tensor_data) for i in items if i.tensor_data is not None]
+        tensors.sort(
             key=lambda it: (-it[1].properties.dtype.itemsize, -math.prod(it[1].chunk.sizes))
         )
         payloads = []
@@ -496,7 +593,7 @@ class CkptStoreWriter(StorageWriter):
                 payloads.append((item, resolved.getvalue()))
         specs: list[parts.Spec] = []
         results = []
-        for item, td in shards:
+        for item, td in tensors:
             name = shard_name(item.index.fqn, td.chunk.offsets)
             specs.append((name, dtype_to_wire(td.properties.dtype), tuple(td.chunk.sizes)))
             nbytes = td.properties.dtype.itemsize * math.prod(td.chunk.sizes)
@@ -507,10 +604,8 @@ class CkptStoreWriter(StorageWriter):
             results.append(WriteResult(item.index, len(payload), StorageInfo(part, name)))
 
         def data() -> Iterator[memoryview | bytes]:
-            for item, td in shards:
-                tensor = planner.resolve_data(item)
-                assert isinstance(tensor, torch.Tensor)
-                tensor = tensor.detach()
+            for item, td in tensors:
+                tensor = _resolve(planner, item, shards.get(item.index))
                 if tensor.shape != td.chunk.sizes or tensor.dtype != td.properties.dtype:
                     raise ValueError(
                         f"{item.index.fqn}: the planner resolved a {tensor.dtype} tensor of "
@@ -542,6 +637,20 @@ class CkptStoreWriter(StorageWriter):
                 names = [f"rank-{self.rank}"]
                 parts.put_part(client, self.run, self.step, names[0], [], lambda: iter(()))
             parts.commit(client, self.run, self.step, names, {METADATA_KEY: text})
+
+
+def _resolve(planner: SavePlanner, item: WriteItem, shard: MetadataIndex | None) -> torch.Tensor:
+    """The data of tensor item ``item``: of a grid piece, its rows of the shard ``shard``
+    it was cut from (the planner knows the shard, not the piece)."""
+    if shard is None:
+        tensor = planner.resolve_data(item)
+        assert isinstance(tensor, torch.Tensor)
+        return tensor.detach()
+    tensor = planner.resolve_data(dataclasses.replace(item, index=shard))
+    assert isinstance(tensor, torch.Tensor) and item.tensor_data is not None
+    assert shard.offset is not None and item.index.offset is not None
+    first = item.index.offset[0] - shard.offset[0]
+    return tensor.detach().narrow(0, first, item.tensor_data.chunk.sizes[0])
 
 
 # ------------------------------------------------------------------------------- the reader

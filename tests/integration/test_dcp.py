@@ -21,7 +21,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptstore import CheckpointClient, CheckpointExists
-from ckptstore.dcp import METADATA_KEY, CkptStoreWriter, load_full, metadata_from_json
+from ckptstore.dcp import (
+    METADATA_KEY,
+    CkptStoreReader,
+    CkptStoreWriter,
+    load_full,
+    metadata_from_json,
+)
 from support import dcp_ranks
 from support.serviceproc import Service
 from support.states import assert_same_state
@@ -62,7 +68,9 @@ def test_four_ranks_commit_each_save_once_with_json_metadata(service: Service, s
     metadata = metadata_from_json(info["metadata"][METADATA_KEY])  # JSON, never a pickle
     names = {t["name"] for t in info["tensors"]}
     assert names == {s.name for s in metadata.storage_data.values()}
-    assert "model.embed.weight@4,0" in names  # rank 1's rows of the 16-row embedding
+    # rank 1's rows 4-7 of the 16-row embedding, as pieces of the 2-row grid
+    assert {"model.embed.weight@4,0", "model.embed.weight@6,0"} <= names
+    assert "model.embed.weight@5,0" not in names
     assert "optim.param_groups.0.lr@bytes" in names
     # the same shards under the same names: the later saves are stored as deltas
     assert all(c["stored_bytes"] < c["raw_bytes"] for c in listed)
@@ -135,6 +143,36 @@ def test_a_rank_failing_mid_upload_leaves_nothing_and_the_save_is_retried(
         assert_same_state(_plain(_full(tmp_path / "full-2.pt")), client.load("fails", 2))
 
 
+def test_a_resharded_save_keeps_the_names_of_whole_grid_cells(
+    make_service: Any, tmp_path: Path
+) -> None:
+    """4 ranks save step 1; 2 ranks load it and save step 2. The 16-row weights (embedding,
+    l2) have grids of 2 and 1 rows, which both worlds' shards (4, 8 rows) cover in whole cells:
+    step 2 stores them under step 1's names and shapes, and the service diffs them as it
+    would a save of the same world size. The 12-row l1.weight is cut in 3-row shards by 4
+    ranks, not at its grid: only its whole cells keep their names."""
+    service = make_service()
+    grid = dcp_ranks.GRID
+    dcp_ranks.launch(dcp_ranks.save_once, 4, service.url, "grid", str(tmp_path), False, 1, grid)
+    dcp_ranks.launch(dcp_ranks.resharded_save, 2, service.url, "grid", grid)
+
+    def tensors(step: int) -> dict[str, list[int]]:
+        info = httpx.get(f"{service.url}/v1/runs/grid/checkpoints/{step}/info").json()
+        return {t["name"]: t["shape"] for t in info["tensors"]}
+
+    before, after = tensors(1), tensors(2)
+    aligned = {
+        n: s for n, s in after.items() if len(s) == 2 and ("embed.weight" in n or "l2.w" in n)
+    }
+    assert len(aligned) == 3 * (8 + 16)  # param, exp_avg, exp_avg_sq of 8 and 16 cells
+    assert aligned.items() <= before.items()
+    assert after["model.l1.weight@0,0"] == before["model.l1.weight@0,0"] == [2, 8]
+    assert after["model.l1.weight@2,0"] == [2, 8] and before["model.l1.weight@2,0"] == [1, 8]
+    listed = CheckpointClient(service.url).list("grid")
+    assert [c.parent_step for c in listed] == [None, 1]
+    assert listed[1].stored_bytes < listed[1].raw_bytes
+
+
 def test_hsdp_stores_one_replica(make_service: Any, tmp_path: Path) -> None:
     """HSDP on a 2x2 mesh (replicate x shard) stores the bytes a 2-rank FSDP save of the
     same state stores: DCP's dedup writes each replicated shard once. (Untrained, so both
@@ -172,6 +210,33 @@ def test_async_save_lands_loadable_checkpoints(
             assert_same_state(expected, client.load(run, step), path=f"step {step}")
     stalls = json.loads((tmp_path / "stalls.json").read_text())
     print(f"dcp.async_save ({executor} executor) returned after {stalls} s")
+
+
+def test_one_process_without_a_process_group(service: Service) -> None:
+    """dcp.save / dcp.load with no_dist: plain tensors cut at a 32-byte grid (pieces of
+    tensors that are not shards), a bf16 one, a scalar, non-tensor values."""
+    torch.manual_seed(0)
+    state = {
+        "w": torch.randn(12, 4),
+        "half": torch.randn(6, 3).to(torch.bfloat16),
+        "count": torch.tensor(3),
+        "config": {"lr": 0.1, "names": ["a", "b"]},
+    }
+    writer = CkptStoreWriter(service.url, "one-process", 1, grid_bytes=32)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    target = {
+        "w": torch.zeros(12, 4),
+        "half": torch.zeros(6, 3, dtype=torch.bfloat16),
+        "count": torch.tensor(0),
+        "config": {"lr": 0.0, "names": []},
+    }
+    dcp.load(target, storage_reader=CkptStoreReader(service.url, "one-process"), no_dist=True)
+    assert_same_state(state, target, same_objects=False)
+    info = httpx.get(f"{service.url}/v1/runs/one-process/checkpoints/1/info").json()
+    assert [t["name"] for t in info["tensors"] if t["name"].startswith("w@")] == [
+        f"w@{row},0" for row in range(0, 12, 2)
+    ]
+    assert_same_state(state, CheckpointClient(service.url).load("one-process", 1))
 
 
 def test_plain_checkpoints_still_load_flat(service: Service) -> None:

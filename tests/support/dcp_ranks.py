@@ -36,6 +36,7 @@ from ckptstore.dcp import CkptStoreReader, CkptStoreWriter
 from support.serviceproc import free_port
 
 VOCAB, DIM, HIDDEN = 16, 8, 12
+GRID = 64  # bytes: cells of 2 rows of embed and l1 weights (8 fp32), 1 row of l2's (12)
 
 
 class Tiny(nn.Module):
@@ -129,10 +130,11 @@ def save_run(
     rank: int, world: int, port: int, url: str, run: str, out: str, saves: list[int], steps: int
 ) -> None:
     """Train ``steps`` steps, saving with dcp.save after each step in ``saves`` (and
-    gathering the full state then); the losses of every step go to losses-{rank}.json."""
+    gathering the full state then); the losses of every step go to losses-{rank}.json.
+    The writer's grid is 64 bytes: every 2-d shard is stored as pieces of a few rows."""
     init(rank, world, port)
     model, opt = build()
-    writer = CkptStoreWriter(url, run)
+    writer = CkptStoreWriter(url, run, grid_bytes=GRID)
     losses = {}
     for step in range(1, steps + 1):
         losses[step] = train_step(model, opt, step)
@@ -177,17 +179,39 @@ def load_run(
 
 
 def save_once(
-    rank: int, world: int, port: int, url: str, run: str, out: str, hsdp: bool, steps: int
+    rank: int,
+    world: int,
+    port: int,
+    url: str,
+    run: str,
+    out: str,
+    hsdp: bool,
+    steps: int,
+    grid_bytes: int | None = None,
 ) -> None:
     """``steps`` training steps, then one dcp.save as step 1 (FSDP, or HSDP on 2x2)."""
     init(rank, world, port)
     model, opt = build(hsdp=hsdp)
     for step in range(1, steps + 1):
         train_step(model, opt, step)
-    dcp.save(sharded(model, opt), storage_writer=CkptStoreWriter(url, run, 1))
+    writer = CkptStoreWriter(url, run, 1, grid_bytes=grid_bytes)
+    dcp.save(sharded(model, opt), storage_writer=writer)
     full = gathered(model, opt)
     if rank == 0:
         torch.save(full, Path(out) / f"full-{run}.pt")
+    dist.destroy_process_group()
+
+
+def resharded_save(rank: int, world: int, port: int, url: str, run: str, grid_bytes: int) -> None:
+    """Load step 1 into ``world`` ranks, train a step, save it as step 2."""
+    init(rank, world, port)
+    model, opt = build(seed=1234)
+    state = sharded(model, opt)
+    dcp.load(state, storage_reader=CkptStoreReader(url, run, 1))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    train_step(model, opt, 2)
+    writer = CkptStoreWriter(url, run, 2, grid_bytes=grid_bytes)
+    dcp.save(sharded(model, opt), storage_writer=writer)
     dist.destroy_process_group()
 
 

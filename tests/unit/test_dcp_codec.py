@@ -27,6 +27,7 @@ from ckptstore.dcp import (
     StorageInfo,
     bytes_name,
     full_state,
+    grid_cuts,
     metadata_from_json,
     metadata_to_json,
     parse_checkpoint_id,
@@ -272,3 +273,45 @@ def test_full_state_refuses_objects_that_are_no_plain_values() -> None:
     stored = {"obj@bytes": torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)}
     with pytest.raises(InvalidRequest, match="weights_only"):
         full_state(metadata, stored)
+
+
+def test_grid_cuts_at_cells_of_the_global_tensor() -> None:
+    # 16 x 8 fp32: 32-byte rows, a 64-byte grid is 2 rows
+    assert grid_cuts((16, 8), 4, 4, 4, 64) == [(4, 2), (6, 2)]
+    assert grid_cuts((16, 8), 4, 3, 4, 64) == [(3, 1), (4, 2), (6, 1)]
+    assert grid_cuts((16, 8), 4, 0, 16, None) == [(0, 16)]
+    assert grid_cuts((16, 8), 4, 0, 16, 1) == [(i, 1) for i in range(16)]  # at least a row
+    assert grid_cuts((16, 8), 4, 0, 16, 100) == [(0, 2), (2, 2), (4, 2), (6, 2)] + [
+        (r, 2) for r in range(8, 16, 2)
+    ]  # the largest power of two of rows within the grid: 3 rows fit, 2 are taken
+    assert grid_cuts((16, 0), 4, 0, 16, 64) == [(0, 16)]  # empty rows
+    assert grid_cuts((1000,), 2, 500, 500, 4 << 20) == [(500, 500)]  # one cell
+    # shards of world 2 and 4 cover whole cells: the same pieces
+    four = [c for r in range(0, 16, 4) for c in grid_cuts((16, 8), 4, r, 4, 64)]
+    two = [c for r in range(0, 16, 8) for c in grid_cuts((16, 8), 4, r, 8, 64)]
+    assert four == two
+
+
+def test_the_writer_plans_grid_pieces_and_dcp_accepts_them() -> None:
+    state = {"w": torch.arange(48.0).reshape(12, 4), "b": torch.ones(3), "n": 5}
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    writer = CkptStoreWriter("http://h:1", "run", 1, grid_bytes=32)  # 2 rows of w
+    writer.set_up_storage_writer(True, rank=0)
+    local = writer.prepare_local_plan(planner.create_local_plan())
+    plans, metadata = planner.create_global_plan([local])  # DCP validates the pieces
+    (final,) = writer.prepare_global_plan(plans)
+    w = metadata.state_dict_metadata["w"]
+    assert isinstance(w, TensorStorageMetadata)
+    assert [list(c.offsets) for c in w.chunks] == [[r, 0] for r in range(0, 12, 2)]
+    assert len(metadata.state_dict_metadata["b"].chunks) == 1  # type: ignore[union-attr]
+    assert final.storage_data.part == "rank-0"
+    # each piece resolves to its rows of the tensor the planner holds
+    from ckptstore.dcp import _resolve
+
+    for item in final.items:
+        if item.index.fqn == "w":
+            shard = final.storage_data.shards[item.index]
+            got = _resolve(planner, item, shard)
+            row = item.index.offset[0]
+            assert torch.equal(got, state["w"][row : row + 2])
