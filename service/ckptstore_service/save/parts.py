@@ -74,7 +74,7 @@ class PartSaver:
                 raise CheckpointExists(f"part {name!r} of {run}/{step} is being uploaded")
             existing = self._catalog.find_part(checkpoint_id, name)
             if existing is not None and existing.status == "done":
-                stored = self._catalog.part_tensors(existing.id)
+                stored = self._catalog.part_tensors(existing)
                 conflict = f"part {name!r} of {run}/{step} holds other data"
                 same_content(stored, None, incoming, conflict)
                 return existing, False
