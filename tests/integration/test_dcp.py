@@ -244,3 +244,22 @@ def test_plain_checkpoints_still_load_flat(service: Service) -> None:
         state = OrderedDict(w=torch.arange(4.0))
         client.save("plain", 1, state)
         assert_same_state(state, client.load("plain", 1))
+
+
+@pytest.mark.postgres
+@pytest.mark.s3
+def test_ranks_spread_over_two_replicas_on_postgres_and_s3(
+    make_service: Any, backends: dict[str, str], tmp_path: Path
+) -> None:
+    """4 ranks save two steps through two replicas sharing PostgreSQL and S3 (ranks
+    alternate between them, the commit goes through the first); 3 ranks load both, spread
+    over the replicas too; one process loads the full state through the other replica."""
+    urls = [make_service(backends).url, make_service(backends).url]
+    dcp_ranks.launch(dcp_ranks.save_run, 4, urls, "prod", str(tmp_path), [1, 2], 2)
+    dcp_ranks.launch(dcp_ranks.load_run, 3, urls, "prod", str(tmp_path), [1, 2], [])
+    with CheckpointClient(urls[1]) as client:
+        assert [(c.step, c.parts) for c in client.list("prod")] == [(1, 4), (2, 4)]
+        for step in (1, 2):
+            full = _full(tmp_path / f"full-{step}.pt")
+            assert_same_state(full, _full(tmp_path / f"loaded-3-{step}.pt"), path=f"{step}")
+            assert_same_state(_plain(full), client.load("prod", step), path=f"{step}")

@@ -61,6 +61,11 @@ def launch(fn: Any, world: int, *args: Any) -> None:
     mp.start_processes(fn, args=(world, port, *args), nprocs=world, start_method="fork")
 
 
+def replica(url: str | list[str], rank: int) -> str:
+    """``url``, or of several replicas' URLs the one of ``rank`` (ranks spread over them)."""
+    return url if isinstance(url, str) else url[rank % len(url)]
+
+
 def init(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     os.environ.pop("OMP_NUM_THREADS", None)
@@ -127,14 +132,21 @@ def local_shard_bytes(state: dict[str, Any]) -> int:
 
 
 def save_run(
-    rank: int, world: int, port: int, url: str, run: str, out: str, saves: list[int], steps: int
+    rank: int,
+    world: int,
+    port: int,
+    url: str | list[str],
+    run: str,
+    out: str,
+    saves: list[int],
+    steps: int,
 ) -> None:
     """Train ``steps`` steps, saving with dcp.save after each step in ``saves`` (and
     gathering the full state then); the losses of every step go to losses-{rank}.json.
     The writer's grid is 64 bytes: every 2-d shard is stored as pieces of a few rows."""
     init(rank, world, port)
     model, opt = build()
-    writer = CkptStoreWriter(url, run, grid_bytes=GRID)
+    writer = CkptStoreWriter(replica(url, rank), run, grid_bytes=GRID)
     losses = {}
     for step in range(1, steps + 1):
         losses[step] = train_step(model, opt, step)
@@ -151,7 +163,7 @@ def load_run(
     rank: int,
     world: int,
     port: int,
-    url: str,
+    url: str | list[str],
     run: str,
     out: str,
     loads: list[int | str],
@@ -165,7 +177,7 @@ def load_run(
     fetched = {}
     for step in loads:
         state = sharded(model, opt)
-        reader = CkptStoreReader(url, run, step)
+        reader = CkptStoreReader(replica(url, rank), run, step)
         dcp.load(state, storage_reader=reader)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         fetched[str(step)] = [reader.bytes_read, local_shard_bytes(state)]
