@@ -660,7 +660,8 @@ class CkptStoreReader(StorageReader):
     """DCP :class:`~torch.distributed.checkpoint.StorageReader` of checkpoint ``step``
     (default ``"latest"``) of run ``run`` of the ckptstore service at ``url``.
 
-    Each rank fetches only the stored shards that overlap its own tensors, in one request.
+    Each rank fetches only the stored pieces that overlap its own tensors, in one request
+    (:attr:`bytes_read`: the tensor bytes the last ``read_data`` received).
     ``latest`` is resolved once per load by each rank; if it moved in between (another save
     committed), the load fails before reading anything: pass an explicit step.
     """
