@@ -96,7 +96,9 @@ class Runtime:
         if settings.auto_migrate:
             catalog.upgrade()
         elif catalog.revision() is None:
-            raise RuntimeError("the database has no schema: run `ckptstore-service db upgrade` first")
+            raise RuntimeError(
+                "the database has no schema: run `ckptstore-service db upgrade` first"
+            )
         store = open_blob_store(
             settings.resolved_blob_url(),
             s3_endpoint_url=settings.s3_endpoint_url,

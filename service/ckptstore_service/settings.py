@@ -40,7 +40,8 @@ class Settings(BaseSettings):
     )
     auto_migrate: bool = Field(
         default=True,
-        description="Upgrade the database schema at start-up (else run `ckptstore-service db upgrade`).",
+        description="Upgrade the database schema at start-up "
+        "(else run `ckptstore-service db upgrade`).",
     )
     incomplete_upload_ttl_s: float = Field(
         default=24 * 3600,

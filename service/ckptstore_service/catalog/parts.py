@@ -210,10 +210,15 @@ def _renumber(s: Session, listed: list[PartRecord]) -> tuple[int, int]:
     offsets in the checkpoint's data section. Returns the totals (tensors, bytes)."""
     idx = begin = 0
     for p in listed:
+        # through negative numbers: the unique index on (checkpoint, part, idx) is checked
+        # row by row, and shifting 0..n-1 up by less than n in place would collide
+        s.execute(
+            update(_TENSORS).where(_TENSORS.c.part_id == p.id).values(idx=-1 - _TENSORS.c.idx)
+        )
         s.execute(
             update(_TENSORS)
             .where(_TENSORS.c.part_id == p.id)
-            .values(idx=_TENSORS.c.idx + idx, begin=_TENSORS.c.begin + begin)
+            .values(idx=-1 - _TENSORS.c.idx + idx, begin=_TENSORS.c.begin + begin)
         )
         s.execute(
             update(_CHUNKS)
