@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ckptstore_core.errors import CkptStoreError, InternalError, InvalidRequest
 from ckptstore_service.api import parts
 from ckptstore_service.api.routes import router, unrouted
-from ckptstore_service.reroot import Maintenance
+from ckptstore_service.maintenance import Maintenance, RerootPolicy
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
 
@@ -44,7 +44,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         runtime = await run_in_threadpool(Runtime.open, settings)
         app.state.runtime = runtime
         app.state.upload_limiter = anyio.CapacityLimiter(settings.max_concurrent_uploads)
-        app.state.maintenance = Maintenance(runtime)
+        app.state.maintenance = Maintenance(
+            runtime.catalog,
+            runtime.store,
+            RerootPolicy.of(settings, runtime.budget),
+            scratch=runtime.cache.scratch,
+            workers=runtime.workers,
+            quiet_s=settings.reroot_quiet_s,
+        )
         try:
             yield
         finally:

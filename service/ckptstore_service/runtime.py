@@ -1,5 +1,6 @@
 """Everything a request needs, built once by the app's lifespan: catalog, blob store, base
-cache, codec thread pool. Also the start-up garbage collection of crashed uploads."""
+cache, codec thread pool; at start-up, the collection of crashed uploads
+(:func:`~ckptstore_service.maintenance.collect_crashed_uploads`)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ckptstore_core import planes
-from ckptstore_core.errors import StorageUnavailable
 from ckptstore_service.budget import Budget
 from ckptstore_service.cache import BaseCache
 from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog
 from ckptstore_service.chains import ChainSource
+from ckptstore_service.maintenance.garbage import collect_crashed_uploads
 from ckptstore_service.restore import Loader
 from ckptstore_service.save import Saver
 from ckptstore_service.save.parts import PartSaver
@@ -110,7 +111,7 @@ class Runtime:
         workers = settings.workers or os.cpu_count() or 2
         pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptstore-codec")
         runtime = cls(settings, catalog, store, cache, pool, workers)
-        runtime.collect_crashed_uploads()
+        collect_crashed_uploads(catalog, store, settings.incomplete_upload_ttl_s)
         planes.warm_up()  # compile the codec kernels (or load them) before the first request
         catalog.warm_up()  # and the load path's SQL statements
         # Everything alive now (modules, compiled kernels, SQLAlchemy's metadata) lives as
@@ -132,34 +133,3 @@ class Runtime:
         self.store.close()
         self.catalog.close()
         self.cache.close()
-
-    def collect_crashed_uploads(self) -> int:
-        """Delete the blobs and rows of uploads whose writer is gone.
-
-        A ``writing`` row whose run lock can be taken has no live writer (a live upload holds
-        the lock for its whole duration, on every replica), so its bytes are orphans.
-        """
-        dead = []
-        for checkpoint_id, run, blob_key, _created in self.catalog.uploads_in_progress():
-            with self.catalog.run_lock(run, blocking=False) as held:
-                if not held:
-                    continue
-                try:
-                    self.store.abort_incomplete([blob_key])
-                    self.store.delete(blob_key)
-                except (StorageUnavailable, OSError) as exc:
-                    # a read-only or full store still serves loads: start, and keep the row
-                    # for the next start-up to collect
-                    log.warning("cannot collect crashed upload %r yet: %s", blob_key, exc)
-                    continue
-                self.catalog.abort_upload(checkpoint_id)
-                dead.append(blob_key)
-        # Writes with no catalog row left (a crash while aborting): found by age alone.
-        try:
-            stale = self.store.abort_incomplete((), self.settings.incomplete_upload_ttl_s)
-        except (StorageUnavailable, OSError) as exc:
-            log.warning("cannot collect stale partial writes yet: %s", exc)
-            stale = 0
-        if dead or stale:
-            log.info("collected %d crashed upload(s), %d stale partial write(s)", len(dead), stale)
-        return len(dead)

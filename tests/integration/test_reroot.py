@@ -19,7 +19,7 @@ import torch
 from ckptstore import CheckpointClient
 from ckptstore_core.errors import StorageUnavailable
 from ckptstore_service.catalog import Catalog
-from ckptstore_service.reroot import collect_garbage, reroot, reroot_lock
+from ckptstore_service.maintenance import RerootPolicy, collect_garbage, reroot
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
 from support.s3server import s3_store
@@ -228,7 +228,8 @@ def test_a_failed_reroot_changes_nothing_and_leaves_nothing(
 
             rt.store.delete = no_delete  # type: ignore[method-assign]
         with pytest.raises(StorageUnavailable, match="injected"):
-            reroot(rt, "r")
+            policy = RerootPolicy.of(rt.settings, rt.budget)
+            reroot(rt.catalog, rt.store, "r", policy, scratch=rt.cache.scratch)
         assert rt.catalog.list_checkpoints("r") == before  # the catalog is as it was
         named = {k for _, _, k in rt.catalog.garbage("r", datetime.max.replace(tzinfo=UTC))}
         if fail_at != "commit and clean-up":  # the re-root deleted what it wrote
@@ -238,12 +239,14 @@ def test_a_failed_reroot_changes_nothing_and_leaves_nothing(
             rt.store.delete = real_delete  # type: ignore[method-assign]
             extra = set(blob_files(data)) - keys
             assert extra and extra == named
-            assert collect_garbage(rt, "r") == 0  # not due yet: it might be a live re-root
+            # not due yet: it might be a live re-root
+            assert collect_garbage(rt.catalog, rt.store, "r") == 0
             later = datetime.now(UTC) + timedelta(seconds=settings.incomplete_upload_ttl_s + 1)
-            with reroot_lock(rt, "r") as held:  # nor while a re-root of the run runs
+            # nor while a re-root of the run runs
+            with rt.catalog.reroot_lock("r", blocking=False) as held:
                 assert held
-                assert collect_garbage(rt, "r", now=later) == 0
-            assert collect_garbage(rt, "r", now=later) == len(named)
+                assert collect_garbage(rt.catalog, rt.store, "r", now=later) == 0
+            assert collect_garbage(rt.catalog, rt.store, "r", now=later) == len(named)
             assert set(blob_files(data)) == keys
             assert not rt.catalog.garbage("r", later)
     finally:

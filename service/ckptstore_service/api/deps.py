@@ -7,7 +7,7 @@ from typing import Annotated
 import anyio
 from fastapi import Depends, Request
 
-from ckptstore_service.reroot import Maintenance
+from ckptstore_service.maintenance import Maintenance
 from ckptstore_service.runtime import Runtime
 
 __all__ = ["MaintenanceDep", "RuntimeDep", "UploadLimiterDep"]

@@ -2,7 +2,7 @@
 
 A blob is named on the garbage table before anything could make it unreachable, so a crash
 at any point leaves only blobs that a checkpoint row or a garbage row names. The collector
-(:func:`ckptstore_service.reroot.collect_garbage`) deletes a due blob first and its row
+(:func:`ckptstore_service.maintenance.collect_garbage`) deletes a due blob first and its row
 after, and never one that a checkpoint names (:func:`blob_in_use`).
 """
 

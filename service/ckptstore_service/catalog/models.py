@@ -146,7 +146,7 @@ class Chunk(Base):
 
 class Garbage(Base):
     """A blob to delete once ``not_before`` has passed (and its run's re-root lock is free;
-    see ``ckptstore_service.reroot.collect_garbage``)."""
+    see ``ckptstore_service.maintenance.collect_garbage``)."""
 
     __tablename__ = "garbage"
     __table_args__ = (Index("ix_garbage_not_before", "not_before"),)

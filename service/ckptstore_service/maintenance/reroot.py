@@ -1,4 +1,4 @@
-"""Re-rooting a run's chain after the fact, and collecting the blobs it replaces.
+"""Re-rooting a run's chain after the fact.
 
 Each link of a delta chain costs every load that goes through it (measured: ~16 ms per link,
 end to end, on a 117 MB state). A save can only be a forward delta (the new checkpoint is all
@@ -25,6 +25,9 @@ What keeps it safe:
   go on meanwhile: a save's delta reads the newest checkpoint's rows, which keep their ids
   and bytes; the commit takes the run's lock and recomputes the depths of every chunk whose
   chain goes through a rewritten one, those of checkpoints saved meanwhile included.
+
+The blobs a re-root replaces are collected by :func:`.garbage.collect_garbage`; the
+background pass that sets re-roots off is :class:`.scheduler.Maintenance`.
 """
 
 from __future__ import annotations
@@ -38,23 +41,31 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import IO, Any
+from pathlib import Path
+from typing import IO
 
 from ckptstore_core import codec
 from ckptstore_core.errors import CorruptData, RunNotFound
-from ckptstore_service.catalog import CheckpointRecord, CheckpointUpdate, ChunkInfo, ChunkUpdate
+from ckptstore_service.budget import Budget
+from ckptstore_service.catalog import (
+    Catalog,
+    CheckpointRecord,
+    CheckpointUpdate,
+    ChunkInfo,
+    ChunkUpdate,
+)
 from ckptstore_service.chains import ChainDecoder, Piece, WindowReader
+from ckptstore_service.maintenance.garbage import delete_blob
 from ckptstore_service.names import blob_key
-from ckptstore_service.runtime import Runtime
-from ckptstore_service.storage import Buffer
+from ckptstore_service.settings import Settings
+from ckptstore_service.storage import BlobStore, Buffer
 
 __all__ = [
-    "Maintenance",
-    "collect_garbage",
+    "RerootPolicy",
+    "Stopped",
     "reroot",
-    "reroot_lock",
     "reroot_pool",
     "reroot_target",
 ]
@@ -62,27 +73,56 @@ __all__ = [
 log = logging.getLogger("ckptstore")
 
 
-def reroot_target(rt: Runtime, run: str) -> tuple[CheckpointRecord, list[CheckpointRecord]] | None:
+@dataclass(frozen=True, slots=True)
+class RerootPolicy:
+    """The settings a re-root follows (:meth:`of` takes them from the service's)."""
+
+    depth: int  # re-root once the newest checkpoint is this deep (0: never)
+    max_chain_depth: int  # no chunk may get deeper than this (one more for a bf16/f16 copy)
+    zstd_level: int
+    bytes_in_flight: int  # raw bytes of the chains re-encoded at once
+    new_blob_due_s: float  # how long the new blobs stay off the collector's list
+    grace_s: float  # how long the replaced blobs stay for the loads that read them
+
+    @classmethod
+    def of(cls, settings: Settings, budget: Budget) -> RerootPolicy:
+        return cls(
+            depth=settings.reroot_depth,
+            max_chain_depth=settings.max_chain_depth,
+            zstd_level=settings.zstd_level,
+            bytes_in_flight=budget.bytes_in_flight,
+            # the time a crashed upload is given: no collector takes a blob meanwhile
+            new_blob_due_s=settings.incomplete_upload_ttl_s,
+            grace_s=settings.garbage_grace_s,
+        )
+
+
+class Stopped(Exception):
+    """The service is shutting down: a re-root in progress is abandoned."""
+
+
+def reroot_target(
+    catalog: Catalog, run: str, depth: int
+) -> tuple[CheckpointRecord, list[CheckpointRecord]] | None:
     """Where to re-root the run's newest segment, and the run's checkpoints; None unless the
-    newest checkpoint is ``reroot_depth`` deep.
+    newest checkpoint is ``depth`` deep (:attr:`RerootPolicy.depth`; 0: never).
 
     The new root is halfway from the segment's current root (its shallowest checkpoint) to
     the newest one: the newest becomes half as deep, and the checkpoints before the old root
     deeper. Once in a segment (the bench: 9 checkpoints, the root moves from the first to the
-    fifth) both ends end up half as deep; a segment much longer than ``reroot_depth`` is
-    re-rooted again every ``reroot_depth / 2`` saves or so, and its oldest checkpoints, the
+    fifth) both ends end up half as deep; a segment much longer than ``depth`` is
+    re-rooted again every ``depth / 2`` saves or so, and its oldest checkpoints, the
     ones least often loaded, get deeper, up to ``max_chain_depth``: a re-root that would
     take a chunk past it is skipped (:func:`_too_deep`), and the newest checkpoint then
     deepens until ``max_chain_depth`` cuts its chains, as without re-rooting."""
-    depth = rt.settings.reroot_depth
     if not depth:
         return None
     # the newest alone first: this runs after every save, and a run may hold thousands
-    latest = rt.catalog.find(run, None)
+    latest = catalog.find(run, None)
     if latest is None or latest.chain_depth < depth:
         return None
     try:
-        infos = rt.catalog.list_checkpoints(run)
+        infos = catalog.list_checkpoints(run)
     except RunNotFound:
         return None
     if not infos or infos[-1].chain_depth < depth:
@@ -202,16 +242,16 @@ class _Spools:
 
 
 def _encode_all(
-    rt: Runtime,
     decoder: ChainDecoder,
     paths: list[list[ChunkInfo]],
     spools: _Spools,
     pool: Executor,
     stop: threading.Event | None,
+    policy: RerootPolicy,
 ) -> None:
     """Re-encode the chains in the re-root's own threads, as many at a time as fit the
     budget of a save's chunks in flight (each holds every raw link of its chain)."""
-    budget = rt.budget.bytes_in_flight
+    budget = policy.bytes_in_flight
     pending: deque[tuple[int, Future[list[_Rewrite]]]] = deque()
     held = 0
 
@@ -225,11 +265,11 @@ def _encode_all(
     try:
         for path in paths:
             if stop is not None and stop.is_set():
-                raise _Stopped
+                raise Stopped
             size = len(path) * path[0].raw_len
             while pending and held + size > budget:
                 take()
-            pending.append((size, pool.submit(_reverse, decoder, path, rt.settings.zstd_level)))
+            pending.append((size, pool.submit(_reverse, decoder, path, policy.zstd_level)))
             held += size
         while pending:
             take()
@@ -249,11 +289,13 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
-def _new_depths(rt: Runtime, rewritten: dict[int, int]) -> tuple[dict[int, int], list[ChunkInfo]]:
+def _new_depths(
+    catalog: Catalog, rewritten: dict[int, int]
+) -> tuple[dict[int, int], list[ChunkInfo]]:
     """The depth of every chunk whose chain goes through a rewritten one (``rewritten``:
     their new depths), and those chunks."""
     depth = dict(rewritten)
-    below = rt.catalog.descendants(depth.keys())
+    below = catalog.descendants(depth.keys())
     by_id = {c.id: c for c in below}
     for c in below:
         stack = []
@@ -270,64 +312,82 @@ def _new_depths(rt: Runtime, rewritten: dict[int, int]) -> tuple[dict[int, int],
     return depth, below
 
 
+@dataclass
+class _NewBlobs:
+    """The blobs a re-root writes, one per checkpoint it rewrites, from the moment they are
+    named on the garbage table to its commit."""
+
+    keys: dict[int, str]  # checkpoint id -> its new blob
+    old_keys: dict[int, str]  # checkpoint id -> the blob the re-root read
+    garbage_ids: list[int]  # the new blobs' rows on the garbage table
+    rows: dict[int, ChunkUpdate] = field(default_factory=dict)  # chunk id -> its new row
+    stored: dict[int, int] = field(default_factory=dict)  # checkpoint id -> new blob's size
+
+
 def reroot(
-    rt: Runtime,
+    catalog: Catalog,
+    store: BlobStore,
     run: str,
+    policy: RerootPolicy,
     *,
+    scratch: Path,
     pool: Executor | None = None,
     stop: threading.Event | None = None,
 ) -> bool:
     """Re-root the run's newest segment halfway if its newest checkpoint is
-    ``reroot_depth`` deep. Returns whether it did.
+    ``policy.depth`` deep. Returns whether it did.
 
-    The caller holds the run's re-root lock (:func:`reroot_lock`), not its lock: the decoding,
-    encoding and blob writing run while the run's saves go on (a delta of the newest
-    checkpoint does not read what changes), and the run's lock is taken for the commit only.
-    ``pool`` runs the decoding and encoding (default: one thread of its own); ``stop``, when
-    set, abandons the work between two chains or two blobs.
+    The caller holds the run's re-root lock (:meth:`Catalog.reroot_lock`), not its lock: the
+    decoding, encoding and blob writing run while the run's saves go on (a delta of the
+    newest checkpoint does not read what changes), and the run's lock is taken for the
+    commit only. The new encodings are spooled to unnamed files in ``scratch``. ``pool``
+    runs the decoding and encoding (default: one thread of its own); ``stop``, when set,
+    abandons the work between two chains or two blobs (raising :class:`Stopped`). A re-root
+    that fails or stops deletes the blobs it wrote, and changes no row.
     """
-    found = reroot_target(rt, run)
+    found = reroot_target(catalog, run, policy.depth)
     if found is None:
         return False
     target, infos = found
     t0 = time.perf_counter()
-    tops, closure = rt.catalog.chunk_tree(target.id)
-    decoder = ChainDecoder(rt.store, closure, 2 * rt.budget.bytes_in_flight)
+    tops, closure = catalog.chunk_tree(target.id)
+    decoder = ChainDecoder(store, closure, 2 * policy.bytes_in_flight)
     paths = _paths(decoder, tops)
-    if not paths or _too_deep(rt, paths, target):
+    if not paths or _too_deep(catalog, paths, target, policy.max_chain_depth):
         return False
-    spools = _Spools(rt.cache.scratch)
+    spools = _Spools(scratch)
     registered: list[str] = []  # on the garbage table, written or not
     committed = False
     try:
         if pool is None:
             with reroot_pool(2) as own:
-                _encode_all(rt, decoder, paths, spools, own, stop)
+                _encode_all(decoder, paths, spools, own, stop, policy)
         else:
-            _encode_all(rt, decoder, paths, spools, pool, stop)
+            _encode_all(decoder, paths, spools, pool, stop, policy)
         info_of = {i.id: i for i in infos}
         owners = sorted(spools.files)
         new_keys = {ck: blob_key(run, info_of[ck].step) for ck in owners}
         # Named before they exist: a crash from here on leaves only blobs the table names.
         # Due only after the time a crashed upload is given: the collector must not take a
         # blob this re-root is about to commit (and the commit checks that it did not).
-        due = datetime.now(UTC) + timedelta(seconds=rt.settings.incomplete_upload_ttl_s)
+        due = datetime.now(UTC) + timedelta(seconds=policy.new_blob_due_s)
         registered = list(new_keys.values())
-        garbage_ids = rt.catalog.add_garbage(run, registered, due)
-        old_keys = {ck: info_of[ck].blob_key for ck in owners}  # as the blobs were read
-        placed: dict[int, ChunkUpdate] = {}  # the owners' rows, in their new blobs
-        stored: dict[int, int] = {}
+        new = _NewBlobs(
+            keys=new_keys,
+            old_keys={ck: info_of[ck].blob_key for ck in owners},  # as the blobs were read
+            garbage_ids=catalog.add_garbage(run, registered, due),
+        )
         for ck in owners:
             if stop is not None and stop.is_set():
-                raise _Stopped
-            stored[ck] = _rewrite_blob(rt, ck, spools, new_keys[ck], placed)
-        with _run_lock(rt, run, stop):
-            _commit(rt, run, spools, placed, stored, new_keys, old_keys, garbage_ids)
+                raise Stopped
+            _rewrite_blob(catalog, store, ck, spools, new)
+        with _run_lock(catalog, run, stop):
+            _commit(catalog, run, spools, new, policy.grace_s)
             committed = True  # here: a failure to release the lock must not undo it
     finally:
         spools.close()
         if not committed:
-            _drop_new_blobs(rt, registered)
+            _drop_new_blobs(catalog, store, registered)
     log.info(
         "re-rooted %s at step %d: %d chains, %d checkpoints rewritten, in %.2fs",
         run,
@@ -339,18 +399,15 @@ def reroot(
     return True
 
 
-class _Stopped(Exception):
-    """The service is shutting down: a re-root in progress is abandoned."""
-
-
-def _too_deep(rt: Runtime, paths: list[list[ChunkInfo]], target: CheckpointRecord) -> bool:
-    """Whether reversing ``paths`` could take a chunk deeper than ``max_chain_depth`` (one
-    more for a bf16/f16 copy), counting every reversed link as a delta: chains that crossed
-    a keyframe through a ref, or re-roots that moved far from a segment's first checkpoint,
-    would otherwise let old checkpoints grow ever deeper."""
+def _too_deep(
+    catalog: Catalog, paths: list[list[ChunkInfo]], target: CheckpointRecord, limit: int
+) -> bool:
+    """Whether reversing ``paths`` could take a chunk deeper than ``limit`` (the
+    ``max_chain_depth``; one more for a bf16/f16 copy), counting every reversed link as a
+    delta: chains that crossed a keyframe through a ref, or re-roots that moved far from a
+    segment's first checkpoint, would otherwise let old checkpoints grow ever deeper."""
     upper = {p.id: len(path) - 1 - j for path in paths for j, p in enumerate(path)}
-    depth, below = _new_depths(rt, upper)
-    limit = rt.settings.max_chain_depth
+    depth, below = _new_depths(catalog, upper)
     for c in below:
         allowed = limit + (codec.split_cast(c.codec) is not None)
         if depth[c.id] > max(allowed, c.depth):
@@ -365,37 +422,30 @@ def _too_deep(rt: Runtime, paths: list[list[ChunkInfo]], target: CheckpointRecor
 
 
 @contextlib.contextmanager
-def _run_lock(rt: Runtime, run: str, stop: threading.Event | None) -> Iterator[None]:
+def _run_lock(catalog: Catalog, run: str, stop: threading.Event | None) -> Iterator[None]:
     """The run's lock for the commit, waited for in short tries so that a shutdown does not
     wait for a long save to end."""
     while True:
-        with rt.catalog.run_lock(run, blocking=False) as held:
+        with catalog.run_lock(run, blocking=False) as held:
             if held:
                 yield
                 return
         if stop is not None and stop.is_set():
-            raise _Stopped
+            raise Stopped
         time.sleep(0.05)
 
 
-def _commit(
-    rt: Runtime,
-    run: str,
-    spools: _Spools,
-    placed: dict[int, ChunkUpdate],
-    stored: dict[int, int],
-    new_keys: dict[int, str],
-    old_keys: dict[int, str],
-    garbage_ids: list[int],
-) -> None:
-    """Under the run's lock: the depths of every chunk whose chain goes through a rewritten
-    one (saves made meanwhile included), then one transaction."""
-    depth, below = _new_depths(rt, {i: s.depth for i, s in spools.chunks.items()})
-    info_of = {i.id: i for i in rt.catalog.list_checkpoints(run)}
-    updates = dict(placed)
+def _commit(catalog: Catalog, run: str, spools: _Spools, new: _NewBlobs, grace_s: float) -> None:
+    """Under the run's lock, once every new blob is durable: the depths of every chunk whose
+    chain goes through a rewritten one (saves made meanwhile included), then one
+    transaction (:meth:`Catalog.commit_reroot`); the replaced blobs are due ``grace_s``
+    later."""
+    depth, below = _new_depths(catalog, {i: s.depth for i, s in spools.chunks.items()})
+    info_of = {i.id: i for i in catalog.list_checkpoints(run)}
+    updates = dict(new.rows)
     checkpoints = []
-    for ck in sorted(set(new_keys) | {c.checkpoint_id for c in below}):
-        rows = rt.catalog.chunks(ck)
+    for ck in sorted(set(new.keys) | {c.checkpoint_id for c in below}):
+        rows = catalog.chunks(ck)
         chain_depth = max((depth.get(c.id, c.depth) for c in rows), default=0)
         # a keyframe holds no deltas: its chunks are whole (or copies of whole masters)
         whole = all(
@@ -405,9 +455,9 @@ def _commit(
         checkpoints.append(
             CheckpointUpdate(
                 id=ck,
-                old_blob_key=old_keys.get(ck, info_of[ck].blob_key),
-                blob_key=new_keys.get(ck, info_of[ck].blob_key),
-                stored_bytes=stored.get(ck, info_of[ck].stored_bytes),
+                old_blob_key=new.old_keys.get(ck, info_of[ck].blob_key),
+                blob_key=new.keys.get(ck, info_of[ck].blob_key),
+                stored_bytes=new.stored.get(ck, info_of[ck].stored_bytes),
                 chain_depth=chain_depth,
                 keyframe=whole,
             )
@@ -417,201 +467,53 @@ def _commit(
                 updates[c.id] = replace(updates[c.id], depth=depth.get(c.id, updates[c.id].depth))
             elif depth.get(c.id, c.depth) != c.depth:
                 updates[c.id] = replace(ChunkUpdate.of(c), depth=depth[c.id])
-    rt.catalog.commit_reroot(
+    catalog.commit_reroot(
         run,
         chunks=list(updates.values()),
         checkpoints=checkpoints,
-        written=garbage_ids,
-        retired=[old_keys[ck] for ck in new_keys],
-        not_before=datetime.now(UTC) + timedelta(seconds=rt.settings.garbage_grace_s),
+        written=new.garbage_ids,
+        retired=[new.old_keys[ck] for ck in new.keys],
+        not_before=datetime.now(UTC) + timedelta(seconds=grace_s),
     )
 
 
-def _drop_new_blobs(rt: Runtime, keys: list[str]) -> None:
+def _drop_new_blobs(catalog: Catalog, store: BlobStore, keys: list[str]) -> None:
     """After a failed re-root: delete the blobs it wrote, and their garbage rows; never one
     that a checkpoint names (a commit that landed although it reported a failure). What
     cannot be deleted now stays on the table for the collector."""
     for key in keys:
         try:
-            if rt.catalog.blob_in_use(key):
+            if catalog.blob_in_use(key):
                 continue
-            _delete_blob(rt, key)
-            rt.catalog.forget_garbage(key)
+            delete_blob(store, key)
+            catalog.forget_garbage(key)
         except Exception as exc:
             log.warning("cannot delete blob %r of a failed re-root yet: %s", key, exc)
 
 
-def _delete_blob(rt: Runtime, key: str) -> None:
-    """Delete a blob a re-root wrote or replaced; if it is not there, abort the write a
-    crash may have cut short under its key."""
-    if not rt.store.exists(key):
-        rt.store.abort_incomplete([key])
-    rt.store.delete(key)
-
-
 def _rewrite_blob(
-    rt: Runtime,
-    checkpoint_id: int,
-    spools: _Spools,
-    key: str,
-    updates: dict[int, ChunkUpdate],
-) -> int:
+    catalog: Catalog, store: BlobStore, checkpoint_id: int, spools: _Spools, new: _NewBlobs
+) -> None:
     """Write checkpoint ``checkpoint_id``'s new blob (its rewritten chunks from the spool,
-    the others copied from its old blob); record every row's new place in ``updates``."""
-    rows = rt.catalog.chunks(checkpoint_id)
-    reader = WindowReader(rt.store, rows)
+    the others copied from its old blob); record every row's new place in ``new``."""
+    rows = catalog.chunks(checkpoint_id)
+    reader = WindowReader(store, rows)
 
     def pieces() -> Iterator[Buffer]:
         offset = 0
         for c in rows:
-            new = spools.chunks.get(c.id)
-            if new is None:
+            spooled = spools.chunks.get(c.id)
+            if spooled is None:
                 data: Buffer = reader.get(c.blob_key, c.blob_offset, c.blob_offset + c.stored_len)
                 row = replace(ChunkUpdate.of(c), blob_offset=offset)
             else:
-                data = spools.read(checkpoint_id, new)
-                row = ChunkUpdate(c.id, new.codec, new.base_id, new.depth, offset, new.size)
-            updates[c.id] = row
+                data = spools.read(checkpoint_id, spooled)
+                row = ChunkUpdate(
+                    c.id, spooled.codec, spooled.base_id, spooled.depth, offset, spooled.size
+                )
+            new.rows[c.id] = row
             offset += len(data)
             if len(data):
                 yield data
 
-    return rt.store.put_stream(key, pieces())
-
-
-def reroot_lock(rt: Runtime, run: str) -> Any:
-    """The lock one re-root of ``run`` at a time holds (across replicas), without waiting:
-    yields whether it is held. Not the run's lock: saves go on meanwhile."""
-    return rt.catalog.run_lock(f"+reroot+{run}", blocking=False)  # '+' is in no run name
-
-
-def collect_garbage(rt: Runtime, run: str | None = None, now: datetime | None = None) -> int:
-    """Delete the blobs on the garbage table that are due, of ``run`` or of every run.
-    Returns how many went.
-
-    A run's rows are collected only while its re-root lock is free (a re-root holds it from
-    before it names its new blobs until after its commit took them off the table), and a
-    blob that a checkpoint names is never deleted. The blob goes first, then its row: a
-    crash in between leaves a row, whose next collection finds the blob gone.
-    """
-    by_run: dict[str, list[tuple[int, str]]] = {}
-    for gid, name, key in rt.catalog.garbage(run, now or datetime.now(UTC)):
-        by_run.setdefault(name, []).append((gid, key))
-    gone = 0
-    for name, items in by_run.items():
-        with reroot_lock(rt, name) as held:
-            if held:
-                gone += _collect(rt, items)
-    return gone
-
-
-def _collect(rt: Runtime, items: list[tuple[int, str]]) -> int:
-    gone = 0
-    for gid, key in items:
-        try:
-            if rt.catalog.blob_in_use(key):
-                log.error("blob %r is on the garbage table but a checkpoint names it: kept", key)
-            else:
-                _delete_blob(rt, key)
-                gone += 1
-            rt.catalog.drop_garbage(gid)
-        except Exception as exc:
-            log.warning("cannot collect blob %r yet: %s", key, exc)
-    return gone
-
-
-class Maintenance:
-    """The background work, in one thread: a run's re-root (if due) and the collection of
-    its garbage, once it has gone ``reroot_quiet_s`` without a save (a re-root then does not
-    compete with a burst of saves for the CPU); every ``period_s``, the garbage of every
-    run. A run whose re-root failed is not re-rooted again for ``retry_s``."""
-
-    def __init__(self, rt: Runtime, period_s: float = 60.0, retry_s: float = 600.0) -> None:
-        self._rt = rt
-        self._period_s = period_s
-        self._retry_s = retry_s
-        self._quiet_s = rt.settings.reroot_quiet_s
-        self._due: dict[str, float] = {}  # run -> when its pass may start (monotonic)
-        self._running = 0
-        self._failed: dict[str, float] = {}  # run -> when a re-root may be tried again
-        self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self._pool = reroot_pool(rt.workers)
-        self._thread = threading.Thread(target=self._loop, name="ckptstore-maintenance")
-        self._thread.start()
-
-    def after_save(self, run: str) -> None:
-        with self._cond:
-            self._due[run] = time.monotonic() + self._quiet_s
-            self._cond.notify()
-
-    @property
-    def pending(self) -> int:
-        """Runs with a pass queued or running."""
-        with self._cond:
-            return len(self._due) + self._running
-
-    def close(self) -> None:
-        """Stop: a re-root in progress is abandoned (what it wrote is deleted)."""
-        self._stop.set()
-        with self._cond:
-            self._cond.notify()
-        self._thread.join()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def _next(self, sweep_at: float) -> str | None:
-        """The next run to maintain, or None for a sweep of every run (or to stop)."""
-        with self._cond:
-            while not self._stop.is_set():
-                now = time.monotonic()
-                if now >= sweep_at:
-                    return None
-                ready = [r for r, t in self._due.items() if t <= now]
-                if ready:
-                    run = min(ready, key=self._due.__getitem__)
-                    del self._due[run]
-                    self._running += 1
-                    return run
-                self._cond.wait(min([sweep_at, *self._due.values()]) - now)
-            return None
-
-    def _loop(self) -> None:
-        sweep_at = time.monotonic()  # first: what earlier processes left due
-        while not self._stop.is_set():
-            run = self._next(sweep_at)
-            if run is None:
-                if not self._stop.is_set():
-                    self._guarded(collect_garbage, self._rt)
-                    sweep_at = time.monotonic() + self._period_s
-                continue
-            try:
-                self._guarded(self._maintain, run)
-            finally:
-                with self._cond:
-                    self._running -= 1
-
-    def _maintain(self, run: str) -> None:
-        try:
-            if self._failed.get(run, 0.0) <= time.monotonic():
-                with reroot_lock(self._rt, run) as held:
-                    # again while it moved the root: saves made during a re-root can leave
-                    # the newest checkpoint still too deep (each pass halves its depth)
-                    passes = 0
-                    while held and passes < 8 and not self._stop.is_set():
-                        passes += 1
-                        held = reroot(self._rt, run, pool=self._pool, stop=self._stop)
-        except _Stopped:
-            return
-        except Exception:
-            self._failed[run] = time.monotonic() + self._retry_s
-            raise
-        finally:
-            if not self._stop.is_set():
-                self._guarded(collect_garbage, self._rt, run)
-
-    @staticmethod
-    def _guarded(fn: Any, *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception:  # background work: logged, retried later
-            log.exception("background maintenance failed")
+    new.stored[checkpoint_id] = store.put_stream(new.keys[checkpoint_id], pieces())

@@ -1,0 +1,102 @@
+"""Collecting blobs that nothing needs any more: those on the garbage table once they are
+due (:func:`collect_garbage`), and those of uploads whose writer died
+(:func:`collect_crashed_uploads`, at start-up).
+
+Both keep invariant 7: a blob goes only once no checkpoint row names it, and a blob named by
+a row goes before the row does, so a crash in between leaves a row whose next collection
+finds the blob gone, never a blob that nothing names.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+
+from ckptstore_core.errors import StorageUnavailable
+from ckptstore_service.catalog import Catalog
+from ckptstore_service.storage import BlobStore
+
+__all__ = ["collect_crashed_uploads", "collect_garbage", "delete_blob"]
+
+log = logging.getLogger("ckptstore")
+
+
+def delete_blob(store: BlobStore, key: str) -> None:
+    """Delete a blob a re-root wrote or replaced (idempotent); if it is not there, abort the
+    write a crash may have cut short under its key."""
+    if not store.exists(key):
+        store.abort_incomplete([key])
+    store.delete(key)
+
+
+def collect_garbage(
+    catalog: Catalog, store: BlobStore, run: str | None = None, now: datetime | None = None
+) -> int:
+    """Delete the blobs on the garbage table that are due, of ``run`` or of every run.
+    Returns how many went.
+
+    A run's rows are collected only while its re-root lock is free (a re-root holds it from
+    before it names its new blobs until after its commit took them off the table), and a
+    blob that a checkpoint names is never deleted. The blob goes first, then its row: a
+    crash in between leaves a row, whose next collection finds the blob gone. An error on
+    one blob leaves its row for the next collection and goes on with the others.
+    """
+    by_run: dict[str, list[tuple[int, str]]] = {}
+    for gid, name, key in catalog.garbage(run, now or datetime.now(UTC)):
+        by_run.setdefault(name, []).append((gid, key))
+    gone = 0
+    for name, items in by_run.items():
+        with catalog.reroot_lock(name, blocking=False) as held:
+            if held:
+                gone += _collect(catalog, store, items)
+    return gone
+
+
+def _collect(catalog: Catalog, store: BlobStore, items: list[tuple[int, str]]) -> int:
+    gone = 0
+    for gid, key in items:
+        try:
+            if catalog.blob_in_use(key):
+                log.error("blob %r is on the garbage table but a checkpoint names it: kept", key)
+            else:
+                delete_blob(store, key)
+                gone += 1
+            catalog.drop_garbage(gid)
+        except Exception as exc:
+            log.warning("cannot collect blob %r yet: %s", key, exc)
+    return gone
+
+
+def collect_crashed_uploads(catalog: Catalog, store: BlobStore, incomplete_ttl_s: float) -> int:
+    """Delete the blobs and rows of uploads whose writer is gone; returns how many. Run at
+    start-up, before the first request.
+
+    A ``writing`` row whose run lock can be taken has no live writer (a live upload holds
+    the lock for its whole duration, on every replica), so its bytes are orphans. Partial
+    writes older than ``incomplete_ttl_s`` go too. A store that refuses is logged, never
+    raised.
+    """
+    dead = []
+    for checkpoint_id, run, blob_key, _created in catalog.uploads_in_progress():
+        with catalog.run_lock(run, blocking=False) as held:
+            if not held:
+                continue
+            try:
+                store.abort_incomplete([blob_key])
+                store.delete(blob_key)
+            except (StorageUnavailable, OSError) as exc:
+                # a read-only or full store still serves loads: start, and keep the row
+                # for the next start-up to collect
+                log.warning("cannot collect crashed upload %r yet: %s", blob_key, exc)
+                continue
+            catalog.abort_upload(checkpoint_id)
+            dead.append(blob_key)
+    # Writes with no catalog row left (a crash while aborting): found by age alone.
+    try:
+        stale = store.abort_incomplete((), incomplete_ttl_s)
+    except (StorageUnavailable, OSError) as exc:
+        log.warning("cannot collect stale partial writes yet: %s", exc)
+        stale = 0
+    if dead or stale:
+        log.info("collected %d crashed upload(s), %d stale partial write(s)", len(dead), stale)
+    return len(dead)

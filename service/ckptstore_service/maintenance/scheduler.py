@@ -1,0 +1,148 @@
+"""The service's background work, in one thread: re-roots and garbage collection."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ckptstore_service.catalog import Catalog
+from ckptstore_service.maintenance.garbage import collect_garbage
+from ckptstore_service.maintenance.reroot import RerootPolicy, Stopped, reroot, reroot_pool
+from ckptstore_service.storage import BlobStore
+
+__all__ = ["Maintenance"]
+
+log = logging.getLogger("ckptstore")
+
+# re-root passes of one run in a row, at most: one run's saves must not starve the others
+_MAX_PASSES = 8
+
+
+class Maintenance:
+    """The background work, in one thread: a run's re-root (if due) and the collection of
+    its garbage, once it has gone ``quiet_s`` without a save (a re-root then does not
+    compete with a burst of saves for the CPU); every ``period_s``, the garbage of every
+    run. A run whose re-root failed is not re-rooted again for ``retry_s``.
+
+    Starts at construction; :meth:`after_save` after each committed save; :meth:`close`
+    once, at shutdown. Errors of the background work are logged, never raised.
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        store: BlobStore,
+        policy: RerootPolicy,
+        *,
+        scratch: Path,
+        workers: int,
+        quiet_s: float,
+        period_s: float = 60.0,
+        retry_s: float = 600.0,
+    ) -> None:
+        """``scratch``: a folder for a re-root's spools; ``workers``: the codec threads
+        (re-roots get half as many, at a lower priority: :func:`.reroot.reroot_pool`)."""
+        self._catalog = catalog
+        self._store = store
+        self._policy = policy
+        self._scratch = scratch
+        self._period_s = period_s
+        self._retry_s = retry_s
+        self._quiet_s = quiet_s
+        self._due: dict[str, float] = {}  # run -> when its pass may start (monotonic)
+        self._running = 0
+        self._failed: dict[str, float] = {}  # run -> when a re-root may be tried again
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._pool = reroot_pool(workers)
+        self._thread = threading.Thread(target=self._loop, name="ckptstore-maintenance")
+        self._thread.start()
+
+    def after_save(self, run: str) -> None:
+        """A save of ``run`` committed: a pass of the run is due once it has gone quiet."""
+        with self._cond:
+            self._due[run] = time.monotonic() + self._quiet_s
+            self._cond.notify()
+
+    @property
+    def pending(self) -> int:
+        """Runs with a pass queued or running."""
+        with self._cond:
+            return len(self._due) + self._running
+
+    def close(self) -> None:
+        """Stop: a re-root in progress is abandoned (what it wrote is deleted)."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify()
+        self._thread.join()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _next(self, sweep_at: float) -> str | None:
+        """The next run to maintain, or None for a sweep of every run (or to stop)."""
+        with self._cond:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now >= sweep_at:
+                    return None
+                ready = [r for r, t in self._due.items() if t <= now]
+                if ready:
+                    run = min(ready, key=self._due.__getitem__)
+                    del self._due[run]
+                    self._running += 1
+                    return run
+                self._cond.wait(min([sweep_at, *self._due.values()]) - now)
+            return None
+
+    def _loop(self) -> None:
+        sweep_at = time.monotonic()  # first: what earlier processes left due
+        while not self._stop.is_set():
+            run = self._next(sweep_at)
+            if run is None:
+                if not self._stop.is_set():
+                    self._guarded(collect_garbage, self._catalog, self._store)
+                    sweep_at = time.monotonic() + self._period_s
+                continue
+            try:
+                self._guarded(self._maintain, run)
+            finally:
+                with self._cond:
+                    self._running -= 1
+
+    def _maintain(self, run: str) -> None:
+        try:
+            if self._failed.get(run, 0.0) <= time.monotonic():
+                with self._catalog.reroot_lock(run, blocking=False) as held:
+                    # again while it moved the root: saves made during a re-root can leave
+                    # the newest checkpoint still too deep (each pass halves its depth)
+                    passes = 0
+                    while held and passes < _MAX_PASSES and not self._stop.is_set():
+                        passes += 1
+                        held = reroot(
+                            self._catalog,
+                            self._store,
+                            run,
+                            self._policy,
+                            scratch=self._scratch,
+                            pool=self._pool,
+                            stop=self._stop,
+                        )
+        except Stopped:
+            return
+        except Exception:
+            self._failed[run] = time.monotonic() + self._retry_s
+            raise
+        finally:
+            if not self._stop.is_set():
+                self._guarded(collect_garbage, self._catalog, self._store, run)
+
+    @staticmethod
+    def _guarded(fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:  # background work: logged, retried later
+            log.exception("background maintenance failed")
