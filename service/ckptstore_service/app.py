@@ -51,6 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             scratch=runtime.cache.scratch,
             workers=runtime.workers,
             quiet_s=settings.reroot_quiet_s,
+            parts_ttl_s=settings.parts_ttl_s,
         )
         try:
             yield

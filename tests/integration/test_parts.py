@@ -16,7 +16,7 @@ import pytest
 
 from ckptstore_core.wire import FORMAT, encode_header
 from support.bodies import assert_error
-from support.serviceproc import Service
+from support.serviceproc import Service, wait_idle
 from support.waiting import wait_until
 
 
@@ -174,8 +174,33 @@ def test_clashing_names_and_unnamed_parts(make_service: Callable[..., Service]) 
     assert len(os.listdir(blobs)) == 2  # part b, named by no commit, is gone
 
 
+def test_parts_survive_the_re_root_pass(make_service: Callable[..., Service]) -> None:
+    """A run saved in parts whose chain gets deep enough to re-root: the re-root (one new
+    blob per checkpoint) leaves checkpoints written in parts alone, and every one still
+    loads exactly (it once rewrote them into a blob their chunks were not read from)."""
+    env = {
+        "CKPTSTORE_REROOT_DEPTH": "4",
+        "CKPTSTORE_REROOT_QUIET_S": "0",
+        "CKPTSTORE_KEYFRAME_INTERVAL": "100",
+        "CKPTSTORE_MAX_CHAIN_DEPTH": "100",
+    }
+    svc = make_service(env)
+    for step in range(8):
+        save_in_parts(svc.url, "deep", step)
+        assert commit(svc.url, "deep", step, ["rank-0", "rank-1"]).status_code == 201
+        wait_idle(svc.url)
+    with httpx.Client(base_url=svc.url, timeout=60) as c:
+        listed = c.get("/v1/runs/deep/checkpoints").json()["checkpoints"]
+        assert max(ck["chain_depth"] for ck in listed) >= 4  # deep enough to be due
+        for step in range(8):
+            back = c.get(f"/v1/runs/deep/checkpoints/{step}")
+            assert back.status_code == 200, (step, back.text)
+            expected = {k: v.tobytes() for part in shards(step) for k, v in part.items()}
+            assert tensors_of(back.content) == expected, step
+
+
 def test_parts_never_committed_are_collected(make_service: Callable[..., Service]) -> None:
-    svc = make_service({"CKPTSTORE_INCOMPLETE_UPLOAD_TTL_S": "1"})
+    svc = make_service({"CKPTSTORE_PARTS_TTL_S": "1"})
     save_in_parts(svc.url, "gone", 1)
     blobs = svc.data_dir / "blobs" / "runs" / "gone"
     assert len(os.listdir(blobs)) == 2

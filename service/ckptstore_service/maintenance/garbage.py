@@ -10,13 +10,18 @@ finds the blob gone, never a blob that nothing names.
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from ckptstore_core.errors import StorageUnavailable
-from ckptstore_service.catalog import Catalog
+from ckptstore_service.catalog import Catalog, PartRecord
 from ckptstore_service.storage import BlobStore
 
-__all__ = ["collect_crashed_uploads", "collect_garbage", "delete_blob"]
+__all__ = [
+    "collect_crashed_uploads",
+    "collect_garbage",
+    "collect_parts",
+    "delete_blob",
+]
 
 log = logging.getLogger("ckptstore")
 
@@ -100,3 +105,38 @@ def collect_crashed_uploads(catalog: Catalog, store: BlobStore, incomplete_ttl_s
     if dead or stale:
         log.info("collected %d crashed upload(s), %d stale partial write(s)", len(dead), stale)
     return len(dead)
+
+
+def collect_parts(catalog: Catalog, store: BlobStore, ttl_s: float) -> int:
+    """Delete the parts nobody will commit; returns how many went. Safe at any time.
+
+    A ``writing`` part whose part lock is free has no writer (an upload holds it from before
+    its row exists until its row is done or gone): its blob goes, then its row. A checkpoint
+    whose parts began more than ``ttl_s`` ago and that no commit made visible is abandoned
+    (a rank died, or the coordinator never called finish): each part whose lock is free goes
+    the same way, then the checkpoint's row once it has no part left.
+    """
+    gone = 0
+    for part, run, step in catalog.parts_in_progress():
+        gone += _collect_part(catalog, store, part, run, step)
+    older_than = datetime.now(UTC) - timedelta(seconds=ttl_s)
+    for checkpoint_id, run, step, parts in catalog.abandoned_parts(older_than):
+        left = len(parts) - sum(_collect_part(catalog, store, p, run, step) for p in parts)
+        if not left:
+            catalog.drop_checkpoint(checkpoint_id)
+    if gone:
+        log.info("collected %d part(s) of checkpoints never committed", gone)
+    return gone
+
+
+def _collect_part(catalog: Catalog, store: BlobStore, part: PartRecord, run: str, step: int) -> int:
+    with catalog.part_lock(run, step, part.name, blocking=False) as held:
+        if not held:
+            return 0
+        try:
+            delete_blob(store, part.blob_key)
+        except (StorageUnavailable, OSError) as exc:
+            log.warning("cannot collect part blob %r yet: %s", part.blob_key, exc)
+            return 0
+        catalog.drop_part(part.id)
+        return 1

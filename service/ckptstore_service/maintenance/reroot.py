@@ -353,7 +353,11 @@ def reroot(
     tops, closure = catalog.chunk_tree(target.id)
     decoder = ChainDecoder(store, closure, 2 * policy.bytes_in_flight)
     paths = _paths(decoder, tops)
-    if not paths or _too_deep(catalog, paths, target, policy.max_chain_depth):
+    if (
+        not paths
+        or _in_parts(paths, infos)
+        or _too_deep(catalog, paths, target, policy.max_chain_depth)
+    ):
         return False
     spools = _Spools(scratch)
     registered: list[str] = []  # on the garbage table, written or not
@@ -397,6 +401,19 @@ def reroot(
         time.perf_counter() - t0,
     )
     return True
+
+
+def _in_parts(paths: list[list[ChunkInfo]], infos: list[CheckpointRecord]) -> bool:
+    """Whether a chunk to rewrite belongs to a checkpoint written in parts: its chunks live
+    in its parts' blobs, which a re-root (one new blob per checkpoint) does not rewrite.
+    Such chains are left as they are, and deepen until ``max_chain_depth`` cuts them."""
+    in_parts = {i.id for i in infos if i.parts > 1}
+    if any(c.checkpoint_id in in_parts for path in paths for c in path):
+        log.info(
+            "not re-rooting %s: its chains pass through checkpoints written in parts", infos[-1].run
+        )
+        return True
+    return False
 
 
 def _too_deep(

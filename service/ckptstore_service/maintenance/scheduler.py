@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptstore_service.catalog import Catalog
-from ckptstore_service.maintenance.garbage import collect_garbage
+from ckptstore_service.maintenance.garbage import collect_garbage, collect_parts
 from ckptstore_service.maintenance.reroot import RerootPolicy, Stopped, reroot, reroot_pool
 from ckptstore_service.storage import BlobStore
 
@@ -41,11 +41,14 @@ class Maintenance:
         scratch: Path,
         workers: int,
         quiet_s: float,
+        parts_ttl_s: float,
         period_s: float = 60.0,
         retry_s: float = 600.0,
     ) -> None:
         """``scratch``: a folder for a re-root's spools; ``workers``: the codec threads
-        (re-roots get half as many, at a lower priority: :func:`.reroot.reroot_pool`)."""
+        (re-roots get half as many, at a lower priority: :func:`.reroot.reroot_pool`);
+        ``parts_ttl_s``: how long a checkpoint written in parts may wait for its commit
+        (:func:`.garbage.collect_parts`, at each sweep)."""
         self._catalog = catalog
         self._store = store
         self._policy = policy
@@ -53,6 +56,7 @@ class Maintenance:
         self._period_s = period_s
         self._retry_s = retry_s
         self._quiet_s = quiet_s
+        self._parts_ttl_s = parts_ttl_s
         self._due: dict[str, float] = {}  # run -> when its pass may start (monotonic)
         self._running = 0
         self._failed: dict[str, float] = {}  # run -> when a re-root may be tried again
@@ -105,6 +109,7 @@ class Maintenance:
             if run is None:
                 if not self._stop.is_set():
                     self._guarded(collect_garbage, self._catalog, self._store)
+                    self._guarded(collect_parts, self._catalog, self._store, self._parts_ttl_s)
                     sweep_at = time.monotonic() + self._period_s
                 continue
             try:
