@@ -29,9 +29,9 @@ from ckptstore_core.records import CheckpointInfo
 from ckptstore_service.api.body import consume_body
 from ckptstore_service.api.deps import MaintenanceDep, RuntimeDep, UploadLimiterDep
 from ckptstore_service.api.openapi import CHECKPOINT_STREAM, SAFETENSORS_BODY, error_responses
+from ckptstore_service.api.routes import stream_response
 from ckptstore_service.api.schemas import CheckpointDetail, CommitIn, PartOut, SelectIn
 from ckptstore_service.names import check_run_name, parse_step
-from ckptstore_service.restore import Restore
 
 __all__ = ["router"]
 
@@ -150,18 +150,7 @@ async def select_tensors(
     check_run_name(run)
     step_n = parse_step(step, allow_latest=True)
     restore = await run_in_threadpool(rt.loader.open, run, step_n, None, body.names)
-    return _stream(restore)
-
-
-def _stream(restore: Restore) -> StreamingResponse:
-    return StreamingResponse(
-        restore.body,
-        media_type="application/octet-stream",
-        headers={
-            "Content-Length": str(restore.total_len),
-            "X-Ckptstore-Step": str(restore.info.step),
-        },
-    )
+    return stream_response(restore)
 
 
 def _step(step: str) -> int:

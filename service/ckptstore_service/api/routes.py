@@ -26,9 +26,10 @@ from ckptstore_service.api.deps import MaintenanceDep, RuntimeDep, UploadLimiter
 from ckptstore_service.api.openapi import CHECKPOINT_STREAM, SAFETENSORS_BODY, error_responses
 from ckptstore_service.api.schemas import CheckpointsOut, RunsOut
 from ckptstore_service.names import RUN_NAME_RULE, check_run_name, parse_step
+from ckptstore_service.restore import Restore
 from ckptstore_service.storage.base import BlobNotFound
 
-__all__ = ["router", "unrouted"]
+__all__ = ["router", "stream_response", "unrouted"]
 
 router = APIRouter()
 
@@ -91,7 +92,11 @@ async def load_checkpoint(
     """Checkpoint `step` of the run (`latest`: the newest), as a safetensors stream."""
     check_run_name(run)
     step_n = parse_step(step, allow_latest=True)
-    restore = await run_in_threadpool(rt.loader.open, run, step_n, prefix)
+    return stream_response(await run_in_threadpool(rt.loader.open, run, step_n, prefix))
+
+
+def stream_response(restore: Restore) -> StreamingResponse:
+    """A load's safetensors stream, its length known before the first byte."""
     return StreamingResponse(
         restore.body,
         media_type="application/octet-stream",
