@@ -33,11 +33,23 @@ How it is loaded
 
 Both classes hold only plain configuration (URL, run, step, client options) and open their
 HTTP connections per call, so they pickle (``dcp.async_save``'s process executor sends the
-writer to another process).
+writer to another process; the writer's staging buffers stay behind).
+
+``dcp.async_save``
+    The writer is also DCP's :class:`~torch.distributed.checkpoint.staging.AsyncStager`
+    (``async_save`` stages with a ``storage_writer`` that is one, unless given an
+    ``async_stager``): :meth:`CkptStoreWriter.stage` copies every tensor -- a DTensor's
+    local shard, wrapped again in a DTensor of the same spec -- into host buffers that the
+    next save reuses (:class:`ckptstore.staging.StagingBuffers`), and deep-copies every other
+    leaf, before ``async_save`` returns. A save's buffers are reused only once nothing holds
+    them any more (its upload is done and dropped); otherwise the next save stages into
+    fresh ones. So wait for a save before starting the next (DCP wants that anyway: two
+    saves in flight interleave their collectives) and steady-state saves allocate nothing.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import json
@@ -73,14 +85,18 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ckptstore import parts
 from ckptstore.client import CheckpointClient
+from ckptstore.staging import StagingBuffers
 from ckptstore.state import (
     _DTYPE_TO_NAME,
     _NAME_TO_DTYPE,
+    FlatState,
     dtype_to_wire,
     tensor_bytes,
     tensor_from_bytes,
@@ -435,7 +451,7 @@ def metadata_from_json(text: str) -> Metadata:
 # ------------------------------------------------------------------------------- the writer
 
 
-class CkptStoreWriter(StorageWriter):
+class CkptStoreWriter(StorageWriter, AsyncStager):
     """DCP :class:`~torch.distributed.checkpoint.StorageWriter` that stores a checkpoint as
     step ``step`` of run ``run`` of the ckptstore service at ``url``.
 
@@ -450,7 +466,14 @@ class CkptStoreWriter(StorageWriter):
     that already exists is refused (:class:`~ckptstore.CheckpointExists`), unless it is the
     same content again (a retried save). ``use_collectives=False`` is refused: the commit
     needs every rank's results.
+
+    ``dcp.async_save`` stages with the writer (:meth:`stage`): its host buffers are reused
+    from one save to the next and held until :meth:`close`.
     """
+
+    # stage() has copied everything when it returns: nothing to synchronise afterwards
+    _synchronize_after_execute = False
+    _staging: StagingBuffers | None = None
 
     def __init__(
         self,
@@ -476,6 +499,38 @@ class CkptStoreWriter(StorageWriter):
     @property
     def checkpoint_id(self) -> str | None:
         return None if self.step is None else f"{self.run}/{self.step}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_staging", None)  # host buffers (and copy threads) stay in this process
+        return state
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` copied for ``dcp.async_save``, done when this returns: tensors
+        into this writer's reused host buffers (a DTensor's local tensor, wrapped again in a
+        DTensor of the same spec; a ShardedTensor copied whole, as DCP's own stager does),
+        every other leaf deep-copied. Later changes to the trainer's state do not reach it.
+
+        The buffers of the previous save are reused only when nothing else holds them any
+        more; else this save stages into new ones (and those are reused from then on).
+        """
+        staging = self._staging
+        if staging is None or staging.held_elsewhere():
+            if staging is not None:
+                staging.clear()  # its buffers live on in the staged state that holds them
+            staging = self._staging = StagingBuffers()
+        sources: list[torch.Tensor] = []
+        memo: dict[int, int] = {}
+        _collect(state_dict, sources, memo)
+        flat = FlatState([(str(i), t) for i, t in enumerate(sources)], skeleton="")
+        staged = [buf.detach() for _, buf in staging.stage(flat).tensors]
+        return _rebuild(state_dict, staged, memo, {})  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Free the staging buffers (a later :meth:`stage` makes new ones)."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.clear()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -637,6 +692,61 @@ class CkptStoreWriter(StorageWriter):
                 names = [f"rank-{self.rank}"]
                 parts.put_part(client, self.run, self.step, names[0], [], lambda: iter(()))
             parts.commit(client, self.run, self.step, names, {METADATA_KEY: text})
+
+
+def _is_sharded_tensor(node: object) -> bool:
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+
+    return isinstance(node, ShardedTensor)
+
+
+def _collect(node: object, out: list[torch.Tensor], memo: dict[int, int]) -> None:
+    """The tensors :meth:`CkptStoreWriter.stage` copies into buffers, in traversal order
+    (a DTensor's local tensor; each tensor object once: ``memo`` maps its id to its index)."""
+    if isinstance(node, dict):
+        for value in node.values():
+            _collect(value, out, memo)
+    elif isinstance(node, list | tuple):
+        for value in node:
+            _collect(value, out, memo)
+    elif isinstance(node, DTensor):
+        _collect(node._local_tensor, out, memo)
+    elif isinstance(node, torch.Tensor) and not _is_sharded_tensor(node) and id(node) not in memo:
+        memo[id(node)] = len(out)
+        out.append(node)
+
+
+def _rebuild(
+    node: object, staged: list[torch.Tensor], memo: dict[int, int], done: dict[int, Any]
+) -> Any:
+    """``node`` with each collected tensor replaced by its ``staged`` copy (requires_grad
+    kept: DCP records it), every other leaf deep-copied (``done``: one deepcopy memo for
+    all of them, so objects shared between leaves stay shared)."""
+    if isinstance(node, dict):
+        out = {k: _rebuild(v, staged, memo, done) for k, v in node.items()}
+        if type(node) is dict:
+            return out
+        same = copy.copy(node)  # an OrderedDict, a defaultdict (its factory kept), ...
+        same.clear()
+        same.update(out)
+        return same
+    if isinstance(node, list | tuple):
+        items = [_rebuild(v, staged, memo, done) for v in node]
+        if type(node) in (list, tuple):
+            return type(node)(items)
+        if hasattr(node, "_fields"):  # a NamedTuple
+            return type(node)(*items)
+        return copy.deepcopy(node, done)  # another sequence type: left to deepcopy
+    if isinstance(node, DTensor):
+        local = staged[memo[id(node._local_tensor)]]
+        return DTensor(local, node._spec, requires_grad=node.requires_grad)  # type: ignore[no-untyped-call]
+    if isinstance(node, torch.Tensor) and id(node) in memo:
+        copied = staged[memo[id(node)]]
+        return copied.requires_grad_(True) if node.requires_grad else copied
+    if _is_sharded_tensor(node):
+        assert isinstance(node, torch.Tensor)
+        return node.to("cpu") if node.device.type != "cpu" else copy.deepcopy(node, done)
+    return copy.deepcopy(node, done)
 
 
 def _resolve(planner: SavePlanner, item: WriteItem, shard: MetadataIndex | None) -> torch.Tensor:

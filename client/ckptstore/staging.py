@@ -118,6 +118,11 @@ class StagingBuffers:
         for future in futures:
             future.result()
 
+    def held_elsewhere(self) -> bool:
+        """Whether a buffer's memory is still held by another tensor: a view (``detach()``)
+        of it that the caller handed out with the staged state and that is still alive."""
+        return any(_storage_refs(b) > _base_refs() for b in self._buffers.values())
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the buffers."""
@@ -129,6 +134,21 @@ class StagingBuffers:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown()
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    """References to ``t``'s storage (its own tensor's and other tensors' sharing it)."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+_BASE_REFS: list[int] = []
+
+
+def _base_refs() -> int:
+    """:func:`_storage_refs` of a tensor nothing else shares (the probe counts itself)."""
+    if not _BASE_REFS:
+        _BASE_REFS.append(_storage_refs(torch.empty(1)))
+    return _BASE_REFS[0]
 
 
 def _is_plain(t: torch.Tensor) -> bool:

@@ -263,3 +263,18 @@ def test_ranks_spread_over_two_replicas_on_postgres_and_s3(
             full = _full(tmp_path / f"full-{step}.pt")
             assert_same_state(full, _full(tmp_path / f"loaded-3-{step}.pt"), path=f"{step}")
             assert_same_state(_plain(full), client.load("prod", step), path=f"{step}")
+
+
+def test_async_save_stages_into_reused_buffers(make_service: Any, tmp_path: Path) -> None:
+    """The writer stages dcp.async_save's state itself: each checkpoint is the state at
+    the call bit for bit, although the trainer changed it in place right after the call
+    returned; the second save copied into the first one's buffers on every rank."""
+    service = make_service()
+    dcp_ranks.launch(dcp_ranks.staged_run, 2, service.url, "staged", str(tmp_path))
+    with CheckpointClient(service.url) as client:
+        assert [c.step for c in client.list("staged")] == [1, 2]
+        for step in (1, 2):
+            expected = _plain(_full(tmp_path / f"full-{step}.pt"))
+            assert_same_state(expected, client.load("staged", step), path=f"step {step}")
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"reused-{rank}.json").read_text()) is True

@@ -311,3 +311,45 @@ def failing_save(rank: int, world: int, port: int, url: str, run: str, out: str)
     if rank == 0:
         torch.save(full, Path(out) / "full-2.pt")
     dist.destroy_process_group()
+
+
+def staged_run(rank: int, world: int, port: int, url: str, run: str, out: str) -> None:
+    """Two dcp.async_save calls (steps 1 and 2, thread executor) staged by the writer itself;
+    right after each returns, the trainer changes its parameters, optimizer state and a
+    list in the state in place. Rank 0 keeps the full state at each call; every rank notes
+    whether the second save staged into the first one's buffers."""
+    init(rank, world, port)
+    model, opt = build()
+    group = dist.new_group(backend="gloo")
+    writer = CkptStoreWriter(url, run)
+    extra: dict[str, Any] = {"seen": [0]}
+    buffers: list[list[int]] = []
+    for step in (1, 2):
+        train_step(model, opt, step)
+        extra["seen"].append(step)
+        full = gathered(model, opt)
+        if rank == 0:
+            full["extra"] = {"seen": list(extra["seen"])}
+            torch.save(full, Path(out) / f"full-{step}.pt")
+        state = sharded(model, opt)
+        state["extra"] = extra
+        future = dcp.async_save(
+            state, storage_writer=writer, checkpoint_id=step, process_group=group
+        )
+        with torch.no_grad():  # what the next optimizer step does while the upload runs
+            for param in model.parameters():
+                param.add_(1.0)
+            for per_param in opt.state.values():
+                for value in per_param.values():
+                    if isinstance(value, torch.Tensor):
+                        value.add_(3.0)
+        extra["seen"].append(-1)
+        staging = writer._staging
+        assert staging is not None
+        buffers.append(sorted(b.data_ptr() for b in staging._buffers.values()))
+        future.result()  # type: ignore[union-attr]
+        extra["seen"].pop()
+    dist.barrier()
+    Path(out, f"reused-{rank}.json").write_text(json.dumps(buffers[0] == buffers[1]))
+    writer.close()
+    dist.destroy_process_group()
