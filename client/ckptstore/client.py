@@ -26,7 +26,7 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -338,16 +338,17 @@ class CheckpointClient:
         self,
         method: str,
         path: str,
-        body: Iterator[memoryview | bytes] | None = None,
+        body: Iterable[memoryview | bytes] | None = None,
         length: int = 0,
         sent: Callable[[int], None] | None = None,
+        content_type: str = "application/octet-stream",
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """Send a request; returns the connection (give it back with ``_done``) and response."""
         conn = self._pool.get()
         try:
             conn.putrequest(method, self._pool.base + path, skip_accept_encoding=True)
             if body is not None:
-                conn.putheader("Content-Type", "application/octet-stream")
+                conn.putheader("Content-Type", content_type)
                 conn.putheader("Content-Length", str(length))
             conn.endheaders()
             if body is not None:

@@ -40,7 +40,6 @@ from ckptstore.client import (
     _read_into,
 )
 from ckptstore_core.errors import CorruptData, InvalidRequest, InvalidStream
-from ckptstore_core.names import check_run_name
 from ckptstore_core.wire import FORMAT, TensorSpec, encode_header
 
 __all__ = [
@@ -69,7 +68,7 @@ def check_part_name(part: str) -> str:
 
 
 def _checkpoint_path(run: str, step: int | str) -> str:
-    return f"/v1/runs/{quote(check_run_name(run), safe='')}/checkpoints/{quote(str(step), safe='')}"
+    return CheckpointClient._path(run, step)
 
 
 def _call(
@@ -81,29 +80,8 @@ def _call(
     content_type: str,
 ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     """Send one request on a pooled connection of ``client``; give it back with
-    ``client._done`` once the response is read. (Like ``CheckpointClient._request``, with a
-    content type: the JSON calls need ``application/json``.)"""
-    conn = client._pool.get()
-    try:
-        conn.putrequest(method, client._pool.base + path, skip_accept_encoding=True)
-        if body is not None:
-            conn.putheader("Content-Type", content_type)
-            conn.putheader("Content-Length", str(length))
-        conn.endheaders()
-        if body is not None:
-            try:
-                for piece in body:
-                    conn.send(piece)
-            except OSError:
-                # the service may have answered early (a 4xx after the header) and closed
-                response = conn.getresponse()
-                if response.status < 400:
-                    raise
-                return conn, response
-        return conn, conn.getresponse()
-    except BaseException:
-        conn.close()
-        raise
+    ``client._done`` once the response is read."""
+    return client._request(method, path, body, length, content_type=content_type)
 
 
 def _json_call(client: CheckpointClient, method: str, path: str, obj: object | None) -> Any:
