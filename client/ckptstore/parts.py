@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
@@ -39,7 +38,8 @@ from ckptstore.client import (
     _read_header,
     _read_into,
 )
-from ckptstore_core.errors import CorruptData, InvalidRequest, InvalidStream
+from ckptstore_core.errors import CorruptData, InvalidStream
+from ckptstore_core.names import PART_NAME_RULE, check_part_name
 from ckptstore_core.wire import FORMAT, TensorSpec, encode_header
 
 __all__ = [
@@ -52,19 +52,10 @@ __all__ = [
     "select",
 ]
 
-_PART_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-PART_NAME_RULE = "use 1-64 of A-Z a-z 0-9 . _ - starting with a letter or digit"
 _PIECE = 8 << 20  # bytes per socket write while streaming
 
 #: ``(name, safetensors dtype code, shape)`` of one tensor of a part, in stream order.
 Spec = tuple[str, str, Sequence[int]]
-
-
-def check_part_name(part: str) -> str:
-    """``part`` if the service takes it as a part name, else InvalidRequest naming the rule."""
-    if not _PART_NAME.fullmatch(part):
-        raise InvalidRequest(f"invalid part name {part!r}: {PART_NAME_RULE}")
-    return part
 
 
 def _checkpoint_path(run: str, step: int | str) -> str:

@@ -6,11 +6,10 @@ run-name rule itself lives in :mod:`ckptstore_core.names`, which the client chec
 
 from __future__ import annotations
 
-import re
 import uuid
 
 from ckptstore_core.errors import InvalidRequest
-from ckptstore_core.names import RUN_NAME_RULE, check_run_name
+from ckptstore_core.names import PART_NAME_RULE, RUN_NAME_RULE, check_part_name, check_run_name
 
 __all__ = [
     "MAX_STEP",
@@ -23,16 +22,6 @@ __all__ = [
 ]
 
 MAX_STEP = (1 << 63) - 1
-_PART_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-PART_NAME_RULE = "use 1-64 of A-Z a-z 0-9 . _ - starting with a letter or digit"
-
-
-def check_part_name(part: str) -> str:
-    """``part`` if it is a valid name for one writer's part of a checkpoint (``rank-3``),
-    else InvalidRequest naming the rule."""
-    if not _PART_NAME.fullmatch(part):
-        raise InvalidRequest(f"invalid part name {part!r}: {PART_NAME_RULE}")
-    return part
 
 
 def parse_step(step: str, *, allow_latest: bool = False) -> int | None:
