@@ -152,19 +152,33 @@ def finish_part(
     chunks: Sequence[NewChunk],
     sibling_bases: dict[int, int],
 ) -> None:
-    """The part's rows and ``done``, in one transaction, once its blob is durable."""
+    """The part's rows and ``done``, in one transaction, once its blob is durable.
+
+    CheckpointExists, changing nothing, if the checkpoint was committed (without this part)
+    or abandoned meanwhile: its rows must not join a checkpoint that is visible. The part's
+    row is written first (SQLite: the write lock from the start) and the checkpoint's row is
+    read FOR SHARE (PostgreSQL: a commit's update of it waits for this transaction).
+    """
     with db.session() as s:
-        insert_rows(s, part.checkpoint_id, part.id, tensors, chunks, sibling_bases)
-        s.execute(
+        done = s.execute(
             update(Part)
-            .where(Part.id == part.id)
+            .where(Part.id == part.id, Part.status == WRITING)
             .values(
                 status=DONE,
                 raw_bytes=raw_bytes,
                 stored_bytes=stored_bytes,
                 n_tensors=len(tensors),
             )
+            .returning(Part.id)
+        ).first()
+        status = s.scalar(
+            select(Checkpoint.status)
+            .where(Checkpoint.id == part.checkpoint_id)
+            .with_for_update(read=True)
         )
+        if done is None or status != PARTS:
+            raise CheckpointExists(f"part {part.name!r}: its checkpoint is no longer open")
+        insert_rows(s, part.checkpoint_id, part.id, tensors, chunks, sibling_bases)
 
 
 def part_tensors(db: Database, part: PartRecord) -> list[TensorInfo]:
@@ -242,7 +256,7 @@ def commit_parts(
     metadata: dict[str, str],
 ) -> list[PartRecord]:
     """Make ``run/step`` visible, made of parts ``names`` in that order, in one transaction;
-    returns the parts uploaded but not named (the caller collects their blobs). The caller
+    returns the finished parts it does not name (the caller collects their blobs). The caller
     holds the run's lock. InvalidRequest if a named part is missing or not finished, or if
     two parts hold tensors of the same name."""
     with db.session() as s:
@@ -250,6 +264,7 @@ def commit_parts(
             select(Checkpoint.id)
             .join(Run, Run.id == Checkpoint.run_id)
             .where(Run.name == run, Checkpoint.step == step, Checkpoint.status == PARTS)
+            .with_for_update(of=Checkpoint)  # a part finishing now commits first, or fails
         )
         if checkpoint_id is None:
             raise InvalidRequest(f"no part of {run}/{step} was uploaded")
@@ -292,7 +307,8 @@ def commit_parts(
             )
         except IntegrityError as exc:  # a single-writer save of the same step won
             raise CheckpointExists(f"{run}/{step} was committed concurrently") from exc
-    return [p for p in found.values() if p.name not in names]
+    # a part still being written is left to its writer (its finish now fails) and the sweep
+    return [p for p in found.values() if p.name not in names and p.status == DONE]
 
 
 def committed_parts(db: Database, checkpoint_id: int) -> list[str]:

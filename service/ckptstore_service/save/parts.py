@@ -21,7 +21,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 
-from ckptstore_core.errors import CheckpointExists, InvalidRequest
+from ckptstore_core.errors import CheckpointExists
 from ckptstore_service.catalog import Catalog, CheckpointRecord, PartRecord
 from ckptstore_service.chains import ChainDecoder
 from ckptstore_service.maintenance.garbage import delete_blob
@@ -155,12 +155,3 @@ class PartSaver:
             return False
         self._catalog.drop_part(part.id)
         return True
-
-
-def check_metadata(metadata: object) -> dict[str, str]:
-    """A commit's metadata: a JSON object of strings."""
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
-        raise InvalidRequest("metadata must be an object of strings")
-    return metadata
