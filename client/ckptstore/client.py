@@ -10,6 +10,8 @@ near 0.5 GB/s in our measurements, and the transfer speed is what a trainer wait
 
 Connection errors and 503s are retried with exponential backoff and jitter; that is safe for
 saves because a repeated POST of the same step with the same content is an idempotent 200.
+Each retry is logged as a warning on the ``ckptstore`` logger (what failed, the attempt, the
+wait), so a job or command waiting on a service that is down says so at once.
 
 ``save_async`` copies the state into reused host buffers and uploads it in a background
 thread through the same path as ``save`` (see :mod:`ckptstore.staging`). Connections come from
@@ -22,7 +24,10 @@ from __future__ import annotations
 import builtins
 import http.client
 import json
+import logging
+import os
 import random
+import socket
 import ssl
 import threading
 import time
@@ -51,12 +56,16 @@ if TYPE_CHECKING:
     from ckptstore.staging import AsyncSaver
     from ckptstore.state import FlatState
 
-__all__ = ["CheckpointClient", "CheckpointInfo", "RunInfo"]
+__all__ = ["DEFAULT_URL", "CheckpointClient", "CheckpointInfo", "RunInfo"]
+
+#: The service a client with no ``url`` talks to when ``CKPTSTORE_URL`` is not set.
+DEFAULT_URL = "http://127.0.0.1:8000"
 
 _PIECE = 8 << 20  # bytes per socket write/read while streaming
 _CHECKSUMS_KEY = "ckptstore.xxh3_128"
 _TRANSIENT = (OSError, http.client.HTTPException)
 T = TypeVar("T")
+logger = logging.getLogger("ckptstore")
 
 
 class _Progress:
@@ -119,7 +128,8 @@ class _Pool:
 
 
 class CheckpointClient:
-    """Client of a ckptstore service at ``url`` (e.g. ``http://127.0.0.1:8000``).
+    """Client of a ckptstore service at ``url`` (e.g. ``http://127.0.0.1:8000``); without
+    one, at ``CKPTSTORE_URL`` from the environment, else :data:`DEFAULT_URL`.
 
     ``retries`` bounds the attempts after the first on connection errors and 503s (then
     :class:`~ckptstore_core.errors.ServiceUnavailable` or the service's 503 error is raised);
@@ -132,13 +142,15 @@ class CheckpointClient:
 
     def __init__(
         self,
-        url: str,
+        url: str | None = None,
         *,
         timeout: float = 120.0,
         retries: int = 5,
         backoff: float = 0.5,
         progress: bool = False,
     ) -> None:
+        if url is None:
+            url = os.environ.get("CKPTSTORE_URL") or DEFAULT_URL
         self.url = url.rstrip("/")
         self.retries = retries
         self.backoff = backoff
@@ -426,6 +438,8 @@ class CheckpointClient:
         return header, buffers, served
 
     def _retry(self, attempt: Callable[[], T]) -> T:
+        """``attempt()``, again after each transient failure (up to ``retries`` times, each
+        logged as a warning), backing off exponentially with jitter."""
         for n in range(self.retries + 1):
             try:
                 return attempt()
@@ -440,11 +454,38 @@ class CheckpointClient:
                             f"({exc!r}): it failed while sending; its log says why"
                         ) from exc
                     raise ServiceUnavailable(
-                        f"cannot reach the ckptstore service at {self.url}: {exc!r}"
+                        f"cannot reach the ckptstore service at {self.url}: {_reason(exc)}"
                     ) from exc
-                delay = self.backoff * 2**n
-                time.sleep(delay * (0.5 + random.random()))
+                delay = self.backoff * 2**n * (0.5 + random.random())
+                logger.warning(
+                    "%s; retrying in %.1f s (retry %d of %d)",
+                    _failure(self.url, exc),
+                    delay,
+                    n + 1,
+                    self.retries,
+                )
+                time.sleep(delay)
         raise AssertionError("unreachable")
+
+
+def _failure(url: str, exc: BaseException) -> str:
+    """What a transient failure of a request to ``url`` was, in one line for a log."""
+    if isinstance(exc, CkptStoreError):
+        return f"{url} answered {exc.status} {exc.code}: {exc.message}"
+    if isinstance(exc, http.client.IncompleteRead):
+        return f"{url} cut its response short"
+    return f"cannot reach {url}: {_reason(exc)}"
+
+
+def _reason(exc: BaseException) -> str:
+    """A network failure in a few words ("connection refused", "timed out"), else its repr."""
+    if isinstance(exc, socket.gaierror):
+        return f"host not found ({exc.strerror})"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror[:1].lower() + exc.strerror[1:]
+    return repr(exc)
 
 
 def _read_into(
