@@ -1,0 +1,1 @@
+"""Framework integrations: each submodule imports its framework, this package imports none."""
