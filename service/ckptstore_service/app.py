@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptstore_core.errors import CkptStoreError, InternalError, InvalidRequest
-from ckptstore_service.api import parts
+from ckptstore_service.api import dashboard, parts
 from ckptstore_service.api.routes import router, unrouted
 from ckptstore_service.maintenance import Maintenance, RerootPolicy
 from ckptstore_service.runtime import Runtime
@@ -70,6 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.include_router(router)
     app.include_router(parts.router)
+    app.include_router(dashboard.router)  # HTML pages for people, not in the OpenAPI document
 
     @app.exception_handler(CkptStoreError)
     async def on_domain_error(_: Request, exc: CkptStoreError) -> JSONResponse:
