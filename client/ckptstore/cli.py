@@ -1,27 +1,42 @@
-"""The ``ckptstore`` command: inspect a service's runs and checkpoints.
+"""The ``ckptstore`` command: list, measure, download and upload a service's checkpoints.
 
-The service's own commands (``serve``, ``db``) are ``ckptstore-service``'s.
+The service's own commands (``serve``, ``db``) are ``ckptstore-service``'s. Reference:
+docs/cli.md. Exit status: 0 done, 1 an error (the service's, an unreachable service, a bad
+file), 2 a usage error, 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
+import json
+import logging
 import os
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch-free at import; the client is imported when a command needs it
     from ckptstore.client import CheckpointClient
+    from ckptstore_core.records import CheckpointInfo, RunInfo
 
 __all__ = ["main"]
+
+#: Retries of a command (the library's default is 5 with a 0.5 s backoff, ~15 s in all): a
+#: person at a terminal learns within about 2 s that the service is down.
+_RETRIES = 3
+_BACKOFF = 0.25
+_SAFETENSORS = (".safetensors",)
+_TORCH = (".pt", ".pth")
 
 
 def _client(args: argparse.Namespace) -> CheckpointClient:
     from ckptstore.client import CheckpointClient
 
     try:
-        return CheckpointClient(args.url)
+        return CheckpointClient(args.url, retries=args.retries, backoff=_BACKOFF)
     except ValueError as exc:  # a URL without http(s)://: one line, not a traceback
         raise SystemExit(f"ckptstore: {exc}") from None
 
@@ -35,55 +50,286 @@ def _human(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def _ratio(raw: int, stored: int) -> str:
+    """How many times smaller than raw the stored bytes are, as the tables print it."""
+    return f"{raw / stored:.2f}x" if stored else "inf"
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2))
+
+
 def _runs(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        print(f"{'run':<32} {'ckpts':>6} {'latest':>10} {'raw':>12} {'stored':>12} {'ratio':>7}")
-        for r in client.runs():
-            ratio = r.raw_bytes / r.stored_bytes if r.stored_bytes else float("inf")
-            print(
-                f"{r.name:<32} {r.checkpoints:>6} {r.latest_step:>10} {_human(r.raw_bytes):>12} "
-                f"{_human(r.stored_bytes):>12} {ratio:>6.2f}x"
-            )
+        runs = client.runs()
+    if args.json:
+        _print_json({"runs": [r.to_json() for r in runs]})
+        return 0
+    print(f"{'run':<32} {'ckpts':>6} {'latest':>10} {'raw':>12} {'stored':>12} {'ratio':>7}")
+    for r in runs:
+        print(
+            f"{r.name:<32} {r.checkpoints:>6} {r.latest_step:>10} {_human(r.raw_bytes):>12} "
+            f"{_human(r.stored_bytes):>12} {_ratio(r.raw_bytes, r.stored_bytes):>7}"
+        )
     return 0
 
 
 def _ls(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        print(f"{'step':>10} {'parent':>10} {'key':>4} {'depth':>5} {'raw':>12} {'stored':>12}")
-        for c in client.list(args.run):
-            parent = "-" if c.parent_step is None else str(c.parent_step)
-            print(
-                f"{c.step:>10} {parent:>10} {'K' if c.keyframe else '':>4} {c.chain_depth:>5} "
-                f"{_human(c.raw_bytes):>12} {_human(c.stored_bytes):>12}"
-            )
+        checkpoints = client.list(args.run)
+    if args.json:
+        _print_json({"run": args.run, "checkpoints": [c.to_json() for c in checkpoints]})
+        return 0
+    print(f"{'step':>10} {'parent':>10} {'key':>4} {'depth':>5} {'raw':>12} {'stored':>12}")
+    for c in checkpoints:
+        parent = "-" if c.parent_step is None else str(c.parent_step)
+        print(
+            f"{c.step:>10} {parent:>10} {'K' if c.keyframe else '':>4} {c.chain_depth:>5} "
+            f"{_human(c.raw_bytes):>12} {_human(c.stored_bytes):>12}"
+        )
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _du(args: argparse.Namespace) -> int:
+    """Stored against raw bytes: per run, or per checkpoint of one run; then the total."""
+    with _client(args) as client:
+        records: Sequence[RunInfo | CheckpointInfo]
+        if args.run:
+            records = checkpoints = client.list(args.run)
+            rows = [(str(c.step), c.raw_bytes, c.stored_bytes) for c in checkpoints]
+            count = len(checkpoints)
+        else:
+            records = runs = client.runs()
+            rows = [(r.name, r.raw_bytes, r.stored_bytes) for r in runs]
+            count = sum(r.checkpoints for r in runs)
+    raw = sum(row[1] for row in rows)
+    stored = sum(row[2] for row in rows)
+    if args.json:
+        listed = [r.to_json() for r in records]
+        total = {"checkpoints": count, "raw_bytes": raw, "stored_bytes": stored}
+        if args.run:
+            _print_json({"run": args.run, "checkpoints": listed, "total": total})
+        else:
+            _print_json({"runs": listed, "total": {"runs": len(records), **total}})
+        return 0
+    print(f"{'step' if args.run else 'run':<32} {'raw':>12} {'stored':>12} {'ratio':>7}")
+    what = f"{count} checkpoints" if args.run else f"{len(records)} runs, {count} checkpoints"
+    for label, row_raw, row_stored in [*rows, (f"total ({what})", raw, stored)]:
+        print(
+            f"{label:<32} {_human(row_raw):>12} {_human(row_stored):>12} "
+            f"{_ratio(row_raw, row_stored):>7}"
+        )
+    return 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    """Checkpoint -> file: a safetensors file streamed as the service sends it, or a
+    ``torch.save`` of the loaded state dict."""
+    run, step = args.checkpoint
+    path: Path = args.output
+    with _client(args) as client:
+        if path.suffix in _SAFETENSORS:
+            from ckptstore.files import pull_file
+
+            served = pull_file(client, run, step, path, progress=_progress(args))
+        else:
+            served = _pull_torch(client, run, step, path, _progress(args))
+    print(f"pulled {run}@{served} to {path} ({_human(path.stat().st_size)})")
+    return 0
+
+
+def _pull_torch(
+    client: CheckpointClient, run: str, step: int | str, path: Path, progress: bool
+) -> int:
+    """``torch.save`` of ``client.load`` to ``path`` (through ``FILE.tmp``); the step saved."""
+    import torch
+
+    from ckptstore.files import temporary_path
+
+    if step == "latest":  # resolved first, so the message names the step the file holds
+        step = client.list(run)[-1].step
+    state = client.load(run, step, progress=progress)
+    tmp = temporary_path(path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return int(step)
+
+
+def _push(args: argparse.Namespace) -> int:
+    """File -> checkpoint: a safetensors file's bytes as the save's body, or a ``torch.load``
+    (``weights_only``: no arbitrary pickles) of a ``.pt`` file saved as its state dict."""
+    path: Path = args.file
+    with _client(args) as client:
+        if path.suffix in _SAFETENSORS:
+            from ckptstore.files import push_file
+
+            info = push_file(client, path, args.run, args.step, progress=_progress(args))
+        else:
+            state = _load_torch(path)
+            info = client.save(args.run, args.step, state, progress=_progress(args))
+    if args.json:
+        _print_json(info.to_json())
+    else:
+        print(
+            f"pushed {path} to {info.run}@{info.step}: {info.tensors} tensors, raw "
+            f"{_human(info.raw_bytes)}, stored {_human(info.stored_bytes)}"
+        )
+    return 0
+
+
+def _load_torch(path: Path) -> Any:
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:  # what weights_only refuses: one line, not pages
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise _UserError(f"{path}: torch.load(weights_only=True) refused it: {first}") from exc
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    """A bar when asked for (``--progress``, or refused with ``--no-progress``); otherwise
+    when stderr is a terminal and tqdm is installed."""
+    if args.progress is not None:
+        return bool(args.progress)
+    return sys.stderr.isatty() and importlib.util.find_spec("tqdm") is not None
+
+
+class _UserError(Exception):
+    """An error the command reports in one line (exit status 1)."""
+
+
+def _checkpoint_ref(text: str) -> tuple[str, int | str]:
+    """``RUN[@STEP]`` -> (run, step or "latest"); run names never hold ``@``."""
+    run, _, step = text.partition("@")
+    if not run:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected RUN or RUN@STEP")
+    if not step or step == "latest":
+        return run, "latest"
+    try:
+        return run, _step(step)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: STEP must be a non-negative integer or 'latest'"
+        ) from None
+
+
+def _step(text: str) -> int:
+    if not text.isascii() or not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step (a non-negative integer)")
+    return int(text)
+
+
+def _checkpoint_file(text: str) -> Path:
+    """A file name whose extension says its format: safetensors or torch.save."""
+    path = Path(text)
+    if path.suffix not in (*_SAFETENSORS, *_TORCH):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the file name must end in .safetensors (streamed as it is) or "
+            ".pt/.pth (torch.save of the state dict)"
+        )
+    return path
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--url",
+        help="service URL (default: $CKPTSTORE_URL, else http://127.0.0.1:8000)",
+    )
+    common.add_argument(
+        "--retries",
+        type=int,
+        default=_RETRIES,
+        help=f"retries when the service cannot be reached or answers 503 (default {_RETRIES})",
+    )
+    json_opt = argparse.ArgumentParser(add_help=False)
+    json_opt.add_argument("--json", action="store_true", help="machine-readable output")
+    progress = argparse.ArgumentParser(add_help=False)
+    progress.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a progress bar on stderr (default: when stderr is a terminal)",
+    )
+
     parser = argparse.ArgumentParser(prog="ckptstore", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    url = os.environ.get("CKPTSTORE_URL", "http://127.0.0.1:8000")
-    for name, func, help_ in (
-        ("runs", _runs, "list runs"),
-        ("ls", _ls, "list a run's checkpoints"),
-    ):
-        p = sub.add_parser(name, help=help_)
-        p.add_argument("--url", default=url, help="service URL (env CKPTSTORE_URL)")
-        if name == "ls":
-            p.add_argument("run")
-        p.set_defaults(func=func)
+    p = sub.add_parser("runs", parents=[common, json_opt], help="list runs")
+    p.set_defaults(func=_runs)
 
-    args = parser.parse_args(argv)
+    p = sub.add_parser("ls", parents=[common, json_opt], help="list a run's checkpoints")
+    p.add_argument("run")
+    p.set_defaults(func=_ls)
+
+    p = sub.add_parser(
+        "du", parents=[common, json_opt], help="stored vs raw bytes per run, or per checkpoint"
+    )
+    p.add_argument("run", nargs="?", help="per checkpoint of this run (default: per run)")
+    p.set_defaults(func=_du)
+
+    p = sub.add_parser("pull", parents=[common, progress], help="download a checkpoint to a file")
+    p.add_argument("checkpoint", metavar="RUN[@STEP]", type=_checkpoint_ref)
+    p.add_argument(
+        "-o", "--output", metavar="FILE", required=True, type=_checkpoint_file,
+        help="FILE.safetensors (the service's stream) or FILE.pt (torch.save)",
+    )  # fmt: skip
+    p.set_defaults(func=_pull)
+
+    p = sub.add_parser(
+        "push", parents=[common, json_opt, progress], help="upload a file as a checkpoint"
+    )
+    p.add_argument("file", metavar="FILE", type=_checkpoint_file)
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("step", metavar="STEP", type=_step)
+    p.set_defaults(func=_push)
+    return parser
+
+
+@contextlib.contextmanager
+def _retries_on_stderr() -> Iterator[None]:
+    """The client's retry warnings ("cannot reach ...; retrying") as ``ckptstore:`` lines on
+    stderr while a command runs (the handler is removed after: ``main`` may run in-process)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("ckptstore: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    logger = logging.getLogger("ckptstore")
+    logger.addHandler(handler)
     try:
-        return int(args.func(args))
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        with _retries_on_stderr():
+            return int(args.func(args))
+    except KeyboardInterrupt:
+        print("ckptstore: interrupted", file=sys.stderr)
+        return 130
     except Exception as exc:  # a CLI prints errors, it does not dump tracebacks
         from ckptstore_core.errors import CkptStoreError
 
-        if isinstance(exc, CkptStoreError) or type(exc).__module__.startswith("httpx"):
-            print(f"ckptstore: {exc}", file=sys.stderr)
+        if isinstance(exc, CkptStoreError | _UserError | OSError | ImportError):
+            print(f"ckptstore: {_one_line(exc)}", file=sys.stderr)
             return 1
         raise
+
+
+def _one_line(exc: Exception) -> str:
+    """The error for a person: a file error names its file and says what went wrong."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror.lower()}"
+    return str(exc)
 
 
 if __name__ == "__main__":

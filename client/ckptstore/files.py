@@ -1,0 +1,177 @@
+"""Checkpoints as safetensors files, streamed: the ``ckptstore pull`` and ``push`` transfers.
+
+The wire format is safetensors, so a checkpoint's ``GET`` body *is* a safetensors file and a
+safetensors file *is* a save's body. :func:`pull_file` copies the response into the file as
+it arrives and :func:`push_file` sends the file's tensor bytes as they are read: memory is one
+piece buffer, whatever the checkpoint's size, and neither side builds tensors (no torch).
+
+A pulled file is checked against the checksums the service sends (``ckptstore.xxh3_128`` in
+its metadata; the file keeps them) and is written to ``FILE.tmp``, then renamed: a failure
+leaves no half file behind. Both transfers go through a :class:`~ckptstore.CheckpointClient`'s
+connections and retries; a retry starts the transfer over (a pull pinned to the step the first
+answer served, so ``latest`` cannot move under it).
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import xxhash
+
+from ckptstore.client import _CHECKSUMS_KEY, CheckpointClient, _Progress, _raise_for
+from ckptstore_core.errors import CorruptData, InvalidStream
+from ckptstore_core.records import CheckpointInfo
+from ckptstore_core.wire import Header, StreamParser, encode_header
+
+__all__ = ["pull_file", "push_file", "temporary_path"]
+
+_PIECE = 8 << 20  # bytes per read and per socket write
+_MAX_HEADER = 1 << 30  # as the client's loads: a file's header is the caller's own
+
+
+def temporary_path(path: Path) -> Path:
+    """Where a download to ``path`` is written before it is renamed into place."""
+    return path.with_name(path.name + ".tmp")
+
+
+def pull_file(
+    client: CheckpointClient, run: str, step: int | str, path: Path, *, progress: bool = False
+) -> int:
+    """Write checkpoint ``run/step`` (``step`` may be ``"latest"``) to ``path`` as the
+    safetensors file the service streams, checked against its checksums; returns the step
+    served. ``path`` appears whole or not at all."""
+    tmp = temporary_path(path)
+    pinned = step
+
+    def attempt() -> int:
+        nonlocal pinned
+        conn, response = client._request("GET", client._path(run, pinned))
+        try:
+            if response.status >= 300:
+                _raise_for(response.status, response.read())
+            served = int(response.getheader("X-Ckptstore-Step") or pinned)
+            pinned = served  # a retry fetches this very checkpoint, even if latest moved
+            total = int(response.getheader("Content-Length") or 0)
+            bar = _Progress(progress, total, f"pull {run}/{served}")
+            try:
+                with open(tmp, "wb") as out:
+                    _copy_verified(response, out, bar.update)
+                    out.flush()
+                    os.fsync(out.fileno())
+            finally:
+                bar.close()
+        except BaseException:
+            conn.close()
+            raise
+        client._done(conn, response)
+        return served
+
+    try:
+        served = client._retry(attempt)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return served
+
+
+def push_file(
+    client: CheckpointClient, path: Path, run: str, step: int, *, progress: bool = False
+) -> CheckpointInfo:
+    """Save the safetensors file ``path`` as checkpoint ``run/step``, its bytes streamed as
+    the body (a file ``ckptstore pull`` wrote loses only the response-only checksums from
+    its header, so pushing it back is the same checkpoint). Returns the stored record."""
+    client._path(run, step)  # a bad run name fails before the file is read
+    with open(path, "rb") as f:
+        header, prefix = _file_header(f, path)
+    length = len(prefix) + header.data_len
+
+    def body() -> Iterator[bytes | memoryview]:
+        yield prefix
+        with open(path, "rb") as f:
+            f.seek(header.header_len)
+            yield from _pieces(f, header.data_len, path)
+
+    def attempt() -> CheckpointInfo:
+        bar = _Progress(progress, length, f"push {run}/{step}")
+        try:
+            payload = client._post(client._path(run, step), body(), length, bar.update)
+        finally:
+            bar.close()
+        return CheckpointInfo.from_json(payload)
+
+    return client._retry(attempt)
+
+
+def _copy_verified(
+    response: http.client.HTTPResponse, out: BinaryIO, progress: Callable[[int], None]
+) -> None:
+    """Copy the response body to ``out`` as it arrives, parsing it as a safetensors stream
+    and checking each tensor against the checksum in its metadata (CorruptData if one does
+    not match, InvalidStream if the stream is malformed or ends early)."""
+    parser = StreamParser(max_header_bytes=_MAX_HEADER)
+    hashers: list[xxhash.xxh3_128] = []
+    buf = memoryview(bytearray(_PIECE))
+    while n := response.readinto(buf):
+        for event in parser.feed(buf[:n]):
+            if isinstance(event, Header):
+                hashers = [xxhash.xxh3_128() for _ in event.tensors]
+            else:
+                hashers[event.index].update(event.data)
+        out.write(buf[:n])
+        progress(n)
+    header = parser.close()
+    expected = json.loads(header.metadata.get(_CHECKSUMS_KEY, "{}"))
+    for spec, hasher in zip(header.tensors, hashers, strict=True):
+        want = expected.get(spec.name)
+        if want is not None and hasher.hexdigest() != want:
+            raise CorruptData(f"tensor {spec.name!r} arrived corrupted (checksum mismatch)")
+
+
+def _file_header(f: io.BufferedReader, path: Path) -> tuple[Header, bytes]:
+    """The parsed header of the safetensors file ``f`` and the bytes to send before its
+    tensor data: the file's own, or its header re-encoded without the checksums a pull
+    wrote. InvalidStream, naming ``path``, if it is no whole safetensors file."""
+    parser = StreamParser(max_header_bytes=_MAX_HEADER)
+    raw = f.read(8)
+    try:
+        list(parser.feed(raw))
+        if len(raw) == 8:
+            raw += f.read(int.from_bytes(raw, "little"))
+            list(parser.feed(raw[8:]))
+        header = parser.header
+        if header is None:
+            parser.close()  # raises: the file ends inside its header
+            raise AssertionError("unreachable")
+    except InvalidStream as exc:
+        raise InvalidStream(f"{path} is not a safetensors file: {exc.message}") from None
+    size = os.fstat(f.fileno()).st_size
+    if size != header.total_len:
+        raise InvalidStream(
+            f"{path} is not a whole safetensors file: it holds {size} bytes where its header "
+            f"promises {header.total_len}"
+        )
+    if _CHECKSUMS_KEY not in header.metadata:
+        return header, raw
+    metadata = {k: v for k, v in header.metadata.items() if k != _CHECKSUMS_KEY}
+    prefix, _ = encode_header([(t.name, t.dtype, t.shape) for t in header.tensors], metadata)
+    return header, prefix
+
+
+def _pieces(f: io.BufferedReader, length: int, path: Path) -> Iterator[memoryview]:
+    """``length`` bytes of ``f`` from where it stands, in pieces of one reused buffer (each
+    is sent before the next is read)."""
+    buf = memoryview(bytearray(_PIECE))
+    left = length
+    while left:
+        n = f.readinto(buf[: min(left, _PIECE)])
+        if not n:
+            raise InvalidStream(f"{path} became shorter while it was being sent")
+        yield buf[:n]
+        left -= n
