@@ -25,10 +25,14 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from starlette.testclient import TestClient
 
 from ckptstore import CheckpointClient
 from ckptstore import parts as client_parts
 from ckptstore_service.api.dashboard import human_bytes, ratio
+from ckptstore_service.app import create_app
+from ckptstore_service.settings import Settings
+from support.bodies import valid_body
 
 if TYPE_CHECKING:  # the fixture ``service`` is the conftest's
     from support.serviceproc import Service
@@ -129,9 +133,32 @@ def test_the_pages_are_not_in_the_openapi_document(http: httpx.Client) -> None:
     assert not [p for p in paths if p == "/" or p.startswith("/ui")]
 
 
+def test_links_follow_the_prefix_the_app_is_mounted_under(tmp_path: Path) -> None:
+    """Behind a proxy that serves the app under ``/ckpt`` (ASGI root_path), in-process."""
+    app = create_app(Settings(data_dir=tmp_path))
+    with TestClient(app, root_path="/ckpt") as client:
+        assert "No checkpoints stored yet" in client.get("/ui").text
+        prefix, data = valid_body()
+        assert client.post("/v1/runs/r1/checkpoints/3", content=prefix + data).status_code == 201
+        home = client.get("/", follow_redirects=False)
+        assert home.headers["location"] == "/ckpt/ui"
+        assert 'href="/ckpt/ui/runs/r1"' in client.get("/ui").text
+        run_page = client.get("/ui/runs/r1").text
+        assert 'href="/ckpt/ui"' in run_page
+        assert 'href="/ckpt/v1/runs/r1/checkpoints"' in run_page
+
+
 @pytest.mark.parametrize(
     ("n", "shown"),
-    [(0, "0 B"), (999, "999 B"), (1000, "1 kB"), (1234, "1.23 kB"), (123_456_789, "123 MB")],
+    [
+        (0, "0 B"),
+        (999, "999 B"),
+        (1000, "1 kB"),
+        (1234, "1.23 kB"),
+        (999_999, "1 MB"),
+        (123_456_789, "123 MB"),
+        (5 * 10**15, "5000 TB"),
+    ],
 )
 def test_human_bytes(n: int, shown: str) -> None:
     assert human_bytes(n) == shown

@@ -80,7 +80,7 @@ async def run_page(run: str, request: Request, rt: RuntimeDep) -> HTMLResponse:
 
 
 def _root(request: Request) -> str:
-    """The prefix the service is mounted under (``--root-path`` behind a proxy), or ''."""
+    """The prefix the app is mounted under (ASGI ``root_path``, set behind a proxy), or ''."""
     root: str = request.scope.get("root_path", "")
     return root.rstrip("/")
 
@@ -102,7 +102,7 @@ def human_bytes(n: int) -> str:
     """``n`` bytes in decimal units, three significant digits: ``512 B``, ``1.23 MB``."""
     value = float(n)
     for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(value) < 1000 or unit == "TB":
+        if value < 999.5 or unit == "TB":  # 999_999 B is 1 MB, not 1000 kB
             break
         value /= 1000
     if unit == "B":
