@@ -73,7 +73,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed wherever
         "pip install 'ckptstore[lightning]'"
     ) from exc
 
-__all__ = ["SCHEME", "TYPES_KEY", "CkptStoreCheckpointIO"]
+__all__ = ["SCHEME", "TYPES_KEY", "CkptStoreCheckpointIO", "from_storable", "to_storable"]
 
 #: Paths of the form ``ckptstore://run/step`` (or ``/latest``) name a stored checkpoint.
 SCHEME: Final = "ckptstore://"
