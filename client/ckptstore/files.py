@@ -14,13 +14,14 @@ answer served, so ``latest`` cannot move under it).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import io
 import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import TypeVar
 
 import xxhash
 
@@ -33,6 +34,7 @@ __all__ = ["pull_file", "push_file", "temporary_path"]
 
 _PIECE = 8 << 20  # bytes per read and per socket write
 _MAX_HEADER = 1 << 30  # as the client's loads: a file's header is the caller's own
+T = TypeVar("T")
 
 
 def temporary_path(path: Path) -> Path:
@@ -46,10 +48,11 @@ def pull_file(
     """Write checkpoint ``run/step`` (``step`` may be ``"latest"``) to ``path`` as the
     safetensors file the service streams, checked against its checksums; returns the step
     served. ``path`` appears whole or not at all."""
+    client._path(run, step)  # a bad run name fails before a file is made
     tmp = temporary_path(path)
     pinned = step
 
-    def attempt() -> int:
+    def attempt(out: io.BufferedWriter) -> int:
         nonlocal pinned
         conn, response = client._request("GET", client._path(run, pinned))
         try:
@@ -60,10 +63,10 @@ def pull_file(
             total = int(response.getheader("Content-Length") or 0)
             bar = _Progress(progress, total, f"pull {run}/{served}")
             try:
-                with open(tmp, "wb") as out:
-                    _copy_verified(response, out, bar.update)
-                    out.flush()
-                    os.fsync(out.fileno())
+                with _local(tmp):
+                    out.seek(0)
+                    out.truncate()
+                _copy_verified(response, out, tmp, bar.update)
             finally:
                 bar.close()
         except BaseException:
@@ -73,7 +76,10 @@ def pull_file(
         return served
 
     try:
-        served = client._retry(attempt)
+        with open(tmp, "wb") as out:  # opened once: a local error is not the network's
+            served = _unwrap_local(lambda: client._retry(lambda: attempt(out)))
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -92,25 +98,55 @@ def push_file(
         header, prefix = _file_header(f, path)
     length = len(prefix) + header.data_len
 
-    def body() -> Iterator[bytes | memoryview]:
+    def body(f: io.BufferedReader) -> Iterator[bytes | memoryview]:
         yield prefix
-        with open(path, "rb") as f:
+        with _local(path):
             f.seek(header.header_len)
-            yield from _pieces(f, header.data_len, path)
+        yield from _pieces(f, header.data_len, path)
 
-    def attempt() -> CheckpointInfo:
+    def attempt(f: io.BufferedReader) -> CheckpointInfo:
         bar = _Progress(progress, length, f"push {run}/{step}")
         try:
-            payload = client._post(client._path(run, step), body(), length, bar.update)
+            payload = client._post(client._path(run, step), body(f), length, bar.update)
         finally:
             bar.close()
         return CheckpointInfo.from_json(payload)
 
-    return client._retry(attempt)
+    with open(path, "rb") as f:  # held open: a file that goes away mid-push still reads
+        return _unwrap_local(lambda: client._retry(lambda: attempt(f)))
+
+
+class _LocalError(Exception):
+    """An OSError of the local file, carried past the client's retries (which take any
+    OSError for the network's) and the request's send loop; :func:`_unwrap_local` raises
+    the OSError itself, naming the file."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+@contextlib.contextmanager
+def _local(path: Path) -> Iterator[None]:
+    """Local file I/O: an OSError in the block becomes a :class:`_LocalError` about ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        raise _LocalError(OSError(exc.errno, exc.strerror, str(path))) from exc
+
+
+def _unwrap_local(call: Callable[[], T]) -> T:
+    try:
+        return call()
+    except _LocalError as exc:
+        raise exc.error from exc.__cause__
 
 
 def _copy_verified(
-    response: http.client.HTTPResponse, out: BinaryIO, progress: Callable[[int], None]
+    response: http.client.HTTPResponse,
+    out: io.BufferedWriter,
+    path: Path,
+    progress: Callable[[int], None],
 ) -> None:
     """Copy the response body to ``out`` as it arrives, parsing it as a safetensors stream
     and checking each tensor against the checksum in its metadata (CorruptData if one does
@@ -124,7 +160,8 @@ def _copy_verified(
                 hashers = [xxhash.xxh3_128() for _ in event.tensors]
             else:
                 hashers[event.index].update(event.data)
-        out.write(buf[:n])
+        with _local(path):
+            out.write(buf[:n])
         progress(n)
     header = parser.close()
     expected = json.loads(header.metadata.get(_CHECKSUMS_KEY, "{}"))
@@ -170,7 +207,8 @@ def _pieces(f: io.BufferedReader, length: int, path: Path) -> Iterator[memoryvie
     buf = memoryview(bytearray(_PIECE))
     left = length
     while left:
-        n = f.readinto(buf[: min(left, _PIECE)])
+        with _local(path):
+            n = f.readinto(buf[: min(left, _PIECE)])
         if not n:
             raise InvalidStream(f"{path} became shorter while it was being sent")
         yield buf[:n]

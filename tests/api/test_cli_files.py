@@ -171,6 +171,11 @@ def test_failures_leave_files_and_the_store_as_they_were(
     assert kept.read_bytes() == b"the previous download"
     assert not (tmp_path / "kept.safetensors.tmp").exists()
 
+    # a local file error is the file's, not retried as if the network had failed
+    nowhere = tmp_path / "missing" / "x.safetensors"
+    code, _, err = run_cli(capsys, "pull", "no-such-run", "-o", str(nowhere), *url)
+    assert code == 1 and err == f"ckptstore: {nowhere}.tmp: no such file or directory\n"
+
     renamed = tmp_path / "torch.safetensors"  # a torch.save file under the wrong name
     torch.save({"w": torch.ones(3)}, renamed)
     code, _, err = run_cli(capsys, "push", str(renamed), "bad-files", "1", *url)
