@@ -124,7 +124,7 @@ def _count(n: int, noun: str) -> str:
 
 
 def _time(at: datetime) -> str:
-    shown = at.strftime("%Y-%m-%d %H:%M:%S UTC")
+    shown = at.strftime("%Y-%m-%d %H:%M:%S")  # the columns say UTC
     return f'<time datetime="{_e(at.isoformat())}">{shown}</time>'
 
 
@@ -155,13 +155,13 @@ header a{color:#fff;text-decoration:none;font-weight:600}
 main{padding:16px 24px;max-width:1200px}
 h1{font-size:20px;margin:4px 0 12px;word-break:break-all}
 table{border-collapse:collapse;background:#fff;border:1px solid #d0d7de;width:100%}
-th,td{padding:5px 10px;border-bottom:1px solid #d8dee4;text-align:left;vertical-align:top}
+th,td{padding:5px 8px;border-bottom:1px solid #d8dee4;text-align:left;vertical-align:top}
 th{background:#f0f3f6;font-weight:600}
 td.num,th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 time{white-space:nowrap}
 tr:hover td{background:#f6f8fa}
 a{color:#0969da}.dim{color:#656d76}.summary{margin:0 0 14px}.summary b{font-weight:600}
-td.meta{min-width:200px}
+td.meta{min-width:160px}
 ul.meta{list-style:none;margin:0;padding:0;font-size:12px}ul.meta code{color:#6639ba}
 .val{word-break:break-all}.key{color:#1a7f37;font-weight:600}
 .chart{background:#fff;border:1px solid #d0d7de;margin:0 0 16px;padding:8px}
@@ -205,7 +205,7 @@ def _runs_body(root: str, rows: Sequence[tuple[RunInfo, CheckpointRecord | None]
     head = (
         '<tr><th>Run</th><th class="num">Checkpoints</th><th class="num">Latest step</th>'
         '<th class="num">Raw</th><th class="num">Stored</th><th class="num">Ratio</th>'
-        "<th>Latest saved</th><th>Run created</th></tr>"
+        "<th>Latest saved (UTC)</th><th>Run created (UTC)</th></tr>"
     )
     body = "".join(_run_row(root, run, latest) for run, latest in rows)
     table = f'<table id="runs"><thead>{head}</thead><tbody>{body}</tbody></table>'
@@ -244,7 +244,7 @@ def _chain_table(records: Sequence[CheckpointRecord]) -> str:
         '<tr><th class="num">Step</th><th class="num">Parent</th><th>Keyframe</th>'
         '<th class="num">Depth</th><th class="num">Parts</th><th class="num">Tensors</th>'
         '<th class="num">Raw</th><th class="num">Stored</th><th class="num">Ratio</th>'
-        "<th>Created</th><th>Metadata</th></tr>"
+        "<th>Created (UTC)</th><th>Metadata</th></tr>"
     )
     rows = "".join(_checkpoint_row(c) for c in records)
     return f'<table id="chain"><thead>{head}</thead><tbody>{rows}</tbody></table>'
