@@ -259,24 +259,35 @@ def _parser() -> argparse.ArgumentParser:
         help="a progress bar on stderr (default: when stderr is a terminal)",
     )
 
-    parser = argparse.ArgumentParser(prog="ckptstore", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="ckptstore",
+        description="List, measure, download and upload the checkpoints of a ckptstore "
+        "service. Every command takes --url (default: $CKPTSTORE_URL, else "
+        "http://127.0.0.1:8000).",
+        epilog="exit status: 0 done, 1 an error (the service's, an unreachable service, a bad "
+        "file), 2 a usage error, 130 interrupted. Reference: docs/cli.md",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("runs", parents=[common, json_opt], help="list runs")
     p.set_defaults(func=_runs)
 
     p = sub.add_parser("ls", parents=[common, json_opt], help="list a run's checkpoints")
-    p.add_argument("run")
+    p.add_argument("run", metavar="RUN")
     p.set_defaults(func=_ls)
 
     p = sub.add_parser(
         "du", parents=[common, json_opt], help="stored vs raw bytes per run, or per checkpoint"
     )
-    p.add_argument("run", nargs="?", help="per checkpoint of this run (default: per run)")
+    p.add_argument(
+        "run", metavar="RUN", nargs="?", help="per checkpoint of this run (default: per run)"
+    )
     p.set_defaults(func=_du)
 
     p = sub.add_parser("pull", parents=[common, progress], help="download a checkpoint to a file")
-    p.add_argument("checkpoint", metavar="RUN[@STEP]", type=_checkpoint_ref)
+    p.add_argument(
+        "checkpoint", metavar="RUN[@STEP]", type=_checkpoint_ref, help="STEP: default latest"
+    )
     p.add_argument(
         "-o", "--output", metavar="FILE", required=True, type=_checkpoint_file,
         help="FILE.safetensors (the service's stream) or FILE.pt (torch.save)",
@@ -286,9 +297,12 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "push", parents=[common, json_opt, progress], help="upload a file as a checkpoint"
     )
-    p.add_argument("file", metavar="FILE", type=_checkpoint_file)
+    p.add_argument(
+        "file", metavar="FILE", type=_checkpoint_file,
+        help="FILE.safetensors (streamed as it is) or FILE.pt (torch.load(weights_only=True))",
+    )  # fmt: skip
     p.add_argument("run", metavar="RUN")
-    p.add_argument("step", metavar="STEP", type=_step)
+    p.add_argument("step", metavar="STEP", type=_step, help="a non-negative integer")
     p.set_defaults(func=_push)
     return parser
 

@@ -21,8 +21,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptstore_core.errors import CkptStoreError, InternalError, InvalidRequest
 from ckptstore_service.api import dashboard, parts
+from ckptstore_service.api.instrument import instrument
 from ckptstore_service.api.routes import router, unrouted
 from ckptstore_service.maintenance import Maintenance, RerootPolicy
+from ckptstore_service.metrics import Metrics
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
 
@@ -38,10 +40,11 @@ def _error(exc: CkptStoreError) -> JSONResponse:
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; the runtime (catalog, store, cache, pools) opens in the lifespan."""
     settings = settings or Settings()
+    metrics = Metrics()  # this app's own registry: several apps may share a process
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = await run_in_threadpool(Runtime.open, settings)
+        runtime = await run_in_threadpool(Runtime.open, settings, metrics)
         app.state.runtime = runtime
         app.state.upload_limiter = anyio.CapacityLimiter(settings.max_concurrent_uploads)
         app.state.maintenance = Maintenance(
@@ -52,6 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             workers=runtime.workers,
             quiet_s=settings.reroot_quiet_s,
             parts_ttl_s=settings.parts_ttl_s,
+            metrics=metrics,
         )
         try:
             yield
@@ -70,6 +74,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.include_router(router)
     app.include_router(parts.router)
+    if settings.metrics:
+        instrument(app, metrics)
     app.include_router(dashboard.router)  # HTML pages for people, not in the OpenAPI document
 
     @app.exception_handler(CkptStoreError)

@@ -27,6 +27,7 @@ from pathlib import Path
 from ckptstore_service.cache import ANY, BaseCache, open_reader
 from ckptstore_service.catalog import Catalog, CheckpointRecord
 from ckptstore_service.chains import ChainSource, Piece
+from ckptstore_service.metrics import Metrics
 
 __all__ = ["CachePolicy", "SaveFiles"]
 
@@ -44,14 +45,20 @@ class SaveFiles:
 
 
 class CachePolicy:
-    def __init__(self, cache: BaseCache, catalog: Catalog, source: ChainSource) -> None:
+    def __init__(
+        self, cache: BaseCache, catalog: Catalog, source: ChainSource, metrics: Metrics
+    ) -> None:
         self.cache = cache
         self._catalog = catalog
         self._source = source
+        self._metrics = metrics
 
     def open(self, run: str, checkpoint_id: int) -> int | None:
-        """A read-only fd of the cached checkpoint, or None on a miss. Caller closes it."""
-        return self.cache.open(run, checkpoint_id)
+        """A read-only fd of the cached checkpoint, or None on a miss (a load's lookup).
+        Caller closes it."""
+        fd = self.cache.open(run, checkpoint_id)
+        self._metrics.base_cache("load", hit=fd is not None)
+        return fd
 
     @contextlib.contextmanager
     def save_files(
@@ -65,6 +72,7 @@ class CachePolicy:
         try:
             if parent is not None:
                 base_fd = self.cache.open(run, parent.id)
+                self._metrics.base_cache("save", hit=base_fd is not None)
                 if base_fd is None:
                     base_fd = self._rebuild(run, parent)
                 if same_offsets:  # overwritten chunk by chunk, each right after it is read

@@ -18,6 +18,7 @@ from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog
 from ckptstore_service.chains import ChainSource
 from ckptstore_service.maintenance.garbage import collect_crashed_uploads
+from ckptstore_service.metrics import Metrics
 from ckptstore_service.restore import Loader
 from ckptstore_service.save import Saver
 from ckptstore_service.save.parts import PartSaver
@@ -66,6 +67,7 @@ class Runtime:
     cache: BaseCache
     pool: ThreadPoolExecutor
     workers: int
+    metrics: Metrics = field(default_factory=Metrics)
     budget: Budget = field(init=False)
     source: ChainSource = field(init=False)
     saver: Saver = field(init=False)
@@ -75,11 +77,11 @@ class Runtime:
     def __post_init__(self) -> None:
         self.budget = Budget(self.workers, self.settings.chunk_bytes)
         self.source = ChainSource(self.catalog, self.store, self.pool, self.budget)
-        policy = CachePolicy(self.cache, self.catalog, self.source)
+        policy = CachePolicy(self.cache, self.catalog, self.source, self.metrics)
         chunks = ChunkStore(
             self.pool, self.budget, self.settings.chunk_bytes, self.settings.zstd_level
         )
-        self.saver = Saver(self.catalog, self.store, policy, chunks, self.settings)
+        self.saver = Saver(self.catalog, self.store, policy, chunks, self.settings, self.metrics)
         self.loader = Loader(self.catalog, policy, self.source)
         self.parts = PartSaver(
             self.catalog,
@@ -88,10 +90,13 @@ class Runtime:
             self.settings,
             self.cache.scratch,
             2 * self.budget.bytes_in_flight,
+            self.metrics,
         )
 
     @classmethod
-    def open(cls, settings: Settings) -> Runtime:
+    def open(cls, settings: Settings, metrics: Metrics | None = None) -> Runtime:
+        """Open every part; the saves, loads and cache count into ``metrics`` (default: a
+        registry of its own)."""
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         catalog = Catalog(settings.resolved_database_url())
         if settings.auto_migrate:
@@ -110,7 +115,7 @@ class Runtime:
         cache = BaseCache(settings.resolved_cache_dir(), settings.cache_bytes)
         workers = settings.workers or os.cpu_count() or 2
         pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptstore-codec")
-        runtime = cls(settings, catalog, store, cache, pool, workers)
+        runtime = cls(settings, catalog, store, cache, pool, workers, metrics or Metrics())
         collect_crashed_uploads(catalog, store, settings.incomplete_upload_ttl_s)
         planes.warm_up()  # compile the codec kernels (or load them) before the first request
         catalog.warm_up()  # and the load path's SQL statements

@@ -94,6 +94,10 @@ class Settings(BaseSettings):
         default=64, ge=1, description="Uploads processed at once; more wait their turn."
     )
     workers: int = Field(default=0, ge=0, description="Codec threads; 0 = number of CPUs.")
+    metrics: bool = Field(
+        default=True,
+        description="Serve Prometheus metrics at GET /metrics (docs/metrics.md).",
+    )
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'catalog.sqlite3').resolve()}"

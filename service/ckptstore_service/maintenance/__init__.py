@@ -14,6 +14,7 @@ from ckptstore_service.maintenance.garbage import (
     delete_blob,
 )
 from ckptstore_service.maintenance.reroot import (
+    Rerooted,
     RerootPolicy,
     Stopped,
     reroot,
@@ -25,6 +26,7 @@ from ckptstore_service.maintenance.scheduler import Maintenance
 __all__ = [
     "Maintenance",
     "RerootPolicy",
+    "Rerooted",
     "Stopped",
     "collect_crashed_uploads",
     "collect_garbage",

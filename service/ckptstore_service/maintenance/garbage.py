@@ -107,8 +107,8 @@ def collect_crashed_uploads(catalog: Catalog, store: BlobStore, incomplete_ttl_s
     return len(dead)
 
 
-def collect_parts(catalog: Catalog, store: BlobStore, ttl_s: float) -> int:
-    """Delete the parts nobody will commit; returns how many went. Safe at any time.
+def collect_parts(catalog: Catalog, store: BlobStore, ttl_s: float) -> list[PartRecord]:
+    """Delete the parts nobody will commit; returns those that went. Safe at any time.
 
     A ``writing`` part whose part lock is free has no writer (an upload holds it from before
     its row exists until its row is done or gone): its blob goes, then its row. A checkpoint
@@ -116,27 +116,33 @@ def collect_parts(catalog: Catalog, store: BlobStore, ttl_s: float) -> int:
     (a rank died, or the coordinator never called finish): each part whose lock is free goes
     the same way, then the checkpoint's row once it has no part left.
     """
-    gone = 0
-    for part, run, step in catalog.parts_in_progress():
-        gone += _collect_part(catalog, store, part, run, step)
+    gone = [
+        part
+        for part, run, step in catalog.parts_in_progress()
+        if _collect_part(catalog, store, part, run, step)
+    ]
     older_than = datetime.now(UTC) - timedelta(seconds=ttl_s)
     for checkpoint_id, run, step, parts in catalog.abandoned_parts(older_than):
-        left = len(parts) - sum(_collect_part(catalog, store, p, run, step) for p in parts)
-        if not left:
+        went = [p for p in parts if _collect_part(catalog, store, p, run, step)]
+        gone += went
+        if len(went) == len(parts):
             catalog.drop_checkpoint(checkpoint_id)
     if gone:
-        log.info("collected %d part(s) of checkpoints never committed", gone)
+        log.info("collected %d part(s) of checkpoints never committed", len(gone))
     return gone
 
 
-def _collect_part(catalog: Catalog, store: BlobStore, part: PartRecord, run: str, step: int) -> int:
+def _collect_part(
+    catalog: Catalog, store: BlobStore, part: PartRecord, run: str, step: int
+) -> bool:
+    """Delete ``part`` if nobody writes it; whether it went."""
     with catalog.part_lock(run, step, part.name, blocking=False) as held:
         if not held:
-            return 0
+            return False
         try:
             delete_blob(store, part.blob_key)
         except (StorageUnavailable, OSError) as exc:
             log.warning("cannot collect part blob %r yet: %s", part.blob_key, exc)
-            return 0
+            return False
         catalog.drop_part(part.id)
-        return 1
+        return True

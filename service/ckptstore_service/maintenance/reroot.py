@@ -64,6 +64,7 @@ from ckptstore_service.storage import BlobStore, Buffer
 
 __all__ = [
     "RerootPolicy",
+    "Rerooted",
     "Stopped",
     "reroot",
     "reroot_pool",
@@ -196,6 +197,19 @@ def _reverse(decoder: ChainDecoder, path: list[ChunkInfo], level: int) -> list[_
             _Rewrite(p, enc.codec, None if base is None else path[j + 1].id, depth, enc.parts)
         )
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Rerooted:
+    """What one re-root did: the chunk chains and chunks it rewrote, the checkpoints whose
+    blob it replaced, the bytes of the blobs replaced (collected once the grace time has
+    passed) and of the blobs written in their place."""
+
+    chains: int
+    chunks: int
+    checkpoints: int
+    bytes_replaced: int
+    bytes_written: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,9 +347,9 @@ def reroot(
     scratch: Path,
     pool: Executor | None = None,
     stop: threading.Event | None = None,
-) -> bool:
+) -> Rerooted | None:
     """Re-root the run's newest segment halfway if its newest checkpoint is
-    ``policy.depth`` deep. Returns whether it did.
+    ``policy.depth`` deep. Returns what it did, or None if it did nothing.
 
     The caller holds the run's re-root lock (:meth:`Catalog.reroot_lock`), not its lock: the
     decoding, encoding and blob writing run while the run's saves go on (a delta of the
@@ -347,7 +361,7 @@ def reroot(
     """
     found = reroot_target(catalog, run, policy.depth)
     if found is None:
-        return False
+        return None
     target, infos = found
     t0 = time.perf_counter()
     tops, closure = catalog.chunk_tree(target.id)
@@ -358,7 +372,7 @@ def reroot(
         or _in_parts(paths, infos)
         or _too_deep(catalog, paths, target, policy.max_chain_depth)
     ):
-        return False
+        return None
     spools = _Spools(scratch)
     registered: list[str] = []  # on the garbage table, written or not
     committed = False
@@ -400,7 +414,13 @@ def reroot(
         len(registered),
         time.perf_counter() - t0,
     )
-    return True
+    return Rerooted(
+        chains=len(paths),
+        chunks=len(spools.chunks),
+        checkpoints=len(new.keys),
+        bytes_replaced=sum(info_of[ck].stored_bytes for ck in new.keys),
+        bytes_written=sum(new.stored.values()),
+    )
 
 
 def _in_parts(paths: list[list[ChunkInfo]], infos: list[CheckpointRecord]) -> bool:

@@ -7,16 +7,19 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from ckptstore_service.catalog import Catalog
 from ckptstore_service.maintenance.garbage import collect_garbage, collect_parts
 from ckptstore_service.maintenance.reroot import RerootPolicy, Stopped, reroot, reroot_pool
+from ckptstore_service.metrics import Metrics, Task
 from ckptstore_service.storage import BlobStore
 
 __all__ = ["Maintenance"]
 
 log = logging.getLogger("ckptstore")
+
+T = TypeVar("T")
 
 # re-root passes of one run in a row, at most: one run's saves must not starve the others
 _MAX_PASSES = 8
@@ -29,7 +32,8 @@ class Maintenance:
     run. A run whose re-root failed is not re-rooted again for ``retry_s``.
 
     Starts at construction; :meth:`after_save` after each committed save; :meth:`close`
-    once, at shutdown. Errors of the background work are logged, never raised.
+    once, at shutdown. Errors of the background work are logged, never raised; each task's
+    runs, errors and results are counted into ``metrics``.
     """
 
     def __init__(
@@ -42,6 +46,7 @@ class Maintenance:
         workers: int,
         quiet_s: float,
         parts_ttl_s: float,
+        metrics: Metrics,
         period_s: float = 60.0,
         retry_s: float = 600.0,
     ) -> None:
@@ -57,6 +62,7 @@ class Maintenance:
         self._retry_s = retry_s
         self._quiet_s = quiet_s
         self._parts_ttl_s = parts_ttl_s
+        self._metrics = metrics
         self._due: dict[str, float] = {}  # run -> when its pass may start (monotonic)
         self._running = 0
         self._failed: dict[str, float] = {}  # run -> when a re-root may be tried again
@@ -108,12 +114,15 @@ class Maintenance:
             run = self._next(sweep_at)
             if run is None:
                 if not self._stop.is_set():
-                    self._guarded(collect_garbage, self._catalog, self._store)
-                    self._guarded(collect_parts, self._catalog, self._store, self._parts_ttl_s)
+                    self._collect_garbage(None)
+                    parts = self._guarded(
+                        "parts", collect_parts, self._catalog, self._store, self._parts_ttl_s
+                    )
+                    self._metrics.parts_collected(parts or [])
                     sweep_at = time.monotonic() + self._period_s
                 continue
             try:
-                self._guarded(self._maintain, run)
+                self._guarded("reroot", self._maintain, run)
             finally:
                 with self._cond:
                     self._running -= 1
@@ -127,7 +136,7 @@ class Maintenance:
                     passes = 0
                     while held and passes < _MAX_PASSES and not self._stop.is_set():
                         passes += 1
-                        held = reroot(
+                        done = reroot(
                             self._catalog,
                             self._store,
                             run,
@@ -136,6 +145,9 @@ class Maintenance:
                             pool=self._pool,
                             stop=self._stop,
                         )
+                        held = done is not None
+                        if done is not None:
+                            self._metrics.rerooted(done)
         except Stopped:
             return
         except Exception:
@@ -143,11 +155,21 @@ class Maintenance:
             raise
         finally:
             if not self._stop.is_set():
-                self._guarded(collect_garbage, self._catalog, self._store, run)
+                self._collect_garbage(run)
 
-    @staticmethod
-    def _guarded(fn: Callable[..., Any], *args: Any) -> None:
+    def _collect_garbage(self, run: str | None) -> None:
+        """The garbage of ``run`` (None: of every run) that is due."""
+        gone = self._guarded("garbage", collect_garbage, self._catalog, self._store, run)
+        self._metrics.garbage_collected(gone or 0)
+
+    def _guarded(self, task: Task, fn: Callable[..., T], *args: object) -> T | None:
+        """``fn(*args)``, counted as a run of ``task``; None if it failed (logged: background
+        work is retried later, never raised)."""
         try:
-            fn(*args)
-        except Exception:  # background work: logged, retried later
+            result = fn(*args)
+        except Exception:
             log.exception("background maintenance failed")
+            self._metrics.maintenance_run(task, ok=False)
+            return None
+        self._metrics.maintenance_run(task, ok=True)
+        return result

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 
 from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog, CheckpointRecord
+from ckptstore_service.metrics import Metrics
 from ckptstore_service.save.encode import FileBases
 from ckptstore_service.save.header import Incoming, open_body, same_content
 from ckptstore_service.save.plan import same_offsets
@@ -45,12 +46,14 @@ class Saver:
         cache: CachePolicy,
         chunks: ChunkStore,
         settings: Settings,
+        metrics: Metrics,
     ) -> None:
         self._catalog = catalog
         self._store = store
         self._cache = cache
         self._chunks = chunks
         self._settings = settings
+        self._metrics = metrics
 
     def ingest(
         self, run: str, step: int, body: Iterable[bytes], content_length: int | None
@@ -70,7 +73,9 @@ class Saver:
                 same_content(stored, existing.metadata, incoming, conflict)
                 return existing, False
             self._store_new(run, step, incoming)
-        return self._catalog.get(run, step), True
+        record = self._catalog.get(run, step)
+        self._metrics.saved(record)
+        return record, True
 
     def _store_new(self, run: str, step: int, incoming: Incoming) -> None:
         t_start = time.perf_counter()

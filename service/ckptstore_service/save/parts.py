@@ -25,6 +25,7 @@ from ckptstore_core.errors import CheckpointExists
 from ckptstore_service.catalog import Catalog, CheckpointRecord, PartRecord
 from ckptstore_service.chains import ChainDecoder
 from ckptstore_service.maintenance.garbage import delete_blob
+from ckptstore_service.metrics import Metrics
 from ckptstore_service.names import check_part_name
 from ckptstore_service.save.encode import StoredBases
 from ckptstore_service.save.header import Incoming, open_body, same_content
@@ -49,6 +50,7 @@ class PartSaver:
         settings: Settings,
         scratch: os.PathLike[str],
         keep_budget: int,
+        metrics: Metrics,
     ) -> None:
         self._catalog = catalog
         self._store = store
@@ -56,6 +58,7 @@ class PartSaver:
         self._settings = settings
         self._scratch = scratch
         self._keep_budget = keep_budget
+        self._metrics = metrics
 
     def ingest_part(
         self, run: str, step: int, name: str, body: Iterable[bytes], content_length: int | None
@@ -83,6 +86,7 @@ class PartSaver:
             self._store_part(run, step, checkpoint_id, name, incoming)
         part = self._catalog.find_part(checkpoint_id, name)
         assert part is not None
+        self._metrics.part_saved(part)
         return part, True
 
     def _store_part(
@@ -143,7 +147,9 @@ class PartSaver:
             )
         for part in unnamed:
             self.collect(part)
-        return self._catalog.get(run, step), True
+        record = self._catalog.get(run, step)
+        self._metrics.committed(record)
+        return record, True
 
     def collect(self, part: PartRecord) -> bool:
         """Delete a part that nobody writes and no commit names: its blob, then its rows
@@ -154,4 +160,5 @@ class PartSaver:
             log.warning("cannot delete part blob %r yet: %s", part.blob_key, exc)
             return False
         self._catalog.drop_part(part.id)
+        self._metrics.parts_collected([part])
         return True
