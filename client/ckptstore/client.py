@@ -264,9 +264,7 @@ class CheckpointClient:
         if skeleton is None:  # a plain safetensors checkpoint (a flat dict), or DCP's shards
             from ckptstore.parts import full_state_if_distributed
 
-            return full_state_if_distributed(
-                self, run, served, tensors, metadata, prefix, map_location
-            )
+            return full_state_if_distributed(tensors, metadata, map_location)
         if prefix:
             # a tensor under the prefix tied to one outside it travels under the outside
             # name: fetch it by that name, from the step that was served (not a newer latest)

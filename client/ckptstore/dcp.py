@@ -101,7 +101,8 @@ from ckptstore.state import (
     tensor_bytes,
     tensor_from_bytes,
 )
-from ckptstore_core.errors import CorruptData, InvalidRequest, NotFound
+from ckptstore_core.dcp_layout import FULL, LAYOUT_KEY, METADATA_KEY
+from ckptstore_core.errors import CorruptData, InvalidRequest
 from ckptstore_core.names import check_run_name
 from ckptstore_core.wire import TensorSpec
 
@@ -117,8 +118,6 @@ __all__ = [
     "shard_name",
 ]
 
-#: The commit metadata key holding DCP's Metadata as JSON.
-METADATA_KEY = "dcp"
 #: The default of ``CkptStoreWriter(grid_bytes=...)``: the service's default chunk size.
 GRID_BYTES = 4 << 20
 #: DCP's metadata version, as its FileSystemWriter writes it (torch 2.4+).
@@ -898,54 +897,28 @@ def full_state(
     metadata: Metadata,
     tensors: Mapping[str, torch.Tensor],
     *,
-    prefix: str | None = None,
     device: Any = "cpu",
 ) -> dict[str, Any]:
-    """The unsharded state dict of a DCP checkpoint from its ``metadata`` and stored
-    ``tensors`` (by stored name), nested as it was saved (DCP's flattening map undone),
-    in the order it was saved. Entries whose flattened name does not start with ``prefix``
-    are left out. Non-tensor values are DCP's ``torch.save`` bytes, read with
+    """The state dict of a DCP checkpoint from its full tensors by DCP name (what the
+    service's ``GET`` returns for one, :data:`ckptstore_core.dcp_layout.FULL`), nested as
+    it was saved (DCP's flattening map undone), in the order given. A non-tensor entry
+    arrives as a ``U8`` tensor of DCP's ``torch.save`` bytes and is read with
     ``torch.load(weights_only=True)`` (plain Python values and tensors only)."""
-    storage: dict[MetadataIndex, StorageInfo] = metadata.storage_data or {}
     mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else None
-    order = [k for k in mapping if k in metadata.state_dict_metadata] if mapping else []
-    order += [k for k in metadata.state_dict_metadata if mapping is None or k not in mapping]
     flat: dict[str, Any] = {}
-    for fqn in order:
-        if prefix and not fqn.startswith(prefix):
-            continue
-        md = metadata.state_dict_metadata[fqn]
+    for fqn, tensor in tensors.items():
+        md = metadata.state_dict_metadata.get(fqn)
+        if md is None:
+            raise CorruptData(f"the checkpoint's DCP metadata has no entry {fqn!r}")
         if isinstance(md, BytesStorageMetadata):
-            raw = _stored(tensors, storage, MetadataIndex(fqn))
-            try:
-                flat[fqn] = torch.load(io.BytesIO(tensor_bytes(raw)), weights_only=True)
-            except pickle.UnpicklingError as exc:
-                raise InvalidRequest(
-                    f"{fqn}: DCP saved it as a pickled object that is no plain value "
-                    f"(torch.load(weights_only=True) refuses it: {exc}); load this "
-                    "checkpoint with dcp.load into a state dict that has the object"
-                ) from exc
-            continue
-        dtype, size = md.properties.dtype, md.size
-        if (
-            len(md.chunks) == 1
-            and list(md.chunks[0].sizes) == list(size)
-            and not any(md.chunks[0].offsets)
-        ):
-            whole = _stored(tensors, storage, MetadataIndex(fqn, md.chunks[0].offsets))
-            flat[fqn] = whole.to(device=device, dtype=dtype).reshape(size)
-            continue
-        out = torch.empty(size, dtype=dtype, device=device)
-        covered = 0
-        for chunk in md.chunks:
-            src = _stored(tensors, storage, MetadataIndex(fqn, chunk.offsets))
-            if list(src.shape) != list(chunk.sizes):
-                raise CorruptData(f"{fqn}: shard of shape {list(src.shape)}, not {chunk.sizes}")
-            narrow_tensor_by_index(out, chunk.offsets, chunk.sizes).copy_(src)
-            covered += math.prod(chunk.sizes)
-        if covered != out.numel():
-            raise CorruptData(f"{fqn}: its shards cover {covered} of {out.numel()} elements")
-        flat[fqn] = out
+            flat[fqn] = _unpickled(fqn, tensor)
+        elif list(tensor.shape) != list(md.size) or tensor.dtype != md.properties.dtype:
+            raise CorruptData(
+                f"{fqn}: {tensor.dtype} {list(tensor.shape)} served, DCP saved "
+                f"{md.properties.dtype} {list(md.size)}"
+            )
+        else:
+            flat[fqn] = tensor.to(device=device)
     if mapping is None:
         return flat
     nested: dict[str, Any] = {}
@@ -954,60 +927,32 @@ def full_state(
     return nested
 
 
-def _stored(
-    tensors: Mapping[str, torch.Tensor],
-    storage: Mapping[MetadataIndex, StorageInfo],
-    index: MetadataIndex,
-) -> torch.Tensor:
-    info = storage.get(index)
-    if info is None:
-        raise CorruptData(f"DCP metadata has no storage for {index.fqn} at {index.offset}")
-    tensor = tensors.get(info.name)
-    if tensor is None:
-        raise CorruptData(f"the checkpoint has no tensor {info.name!r}")
-    return tensor
+def _unpickled(fqn: str, raw: torch.Tensor) -> Any:
+    """A non-tensor entry from DCP's ``torch.save`` bytes, plain values only."""
+    try:
+        return torch.load(io.BytesIO(tensor_bytes(raw)), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise InvalidRequest(
+            f"{fqn}: DCP saved it as a pickled object that is no plain value "
+            f"(torch.load(weights_only=True) refuses it: {exc}); load this "
+            "checkpoint with dcp.load into a state dict that has the object"
+        ) from exc
 
 
 def full_state_if_dcp(
-    client: CheckpointClient,
-    run: str,
-    step: int | str,
-    tensors: dict[str, torch.Tensor],
-    header_metadata: Mapping[str, str],
-    prefix: str | None,
-    map_location: Any,
-) -> dict[str, Any]:
+    tensors: dict[str, torch.Tensor], header_metadata: Mapping[str, str], map_location: Any
+) -> Any:
     """What :meth:`CheckpointClient.load` returns for a checkpoint without a skeleton: the
-    full state (:func:`full_state`) if DCP wrote it, else the flat ``tensors``."""
-    metadata = _dcp_metadata_of(client, run, step, tensors, header_metadata)
-    if metadata is None:
-        return tensors
-    return full_state(metadata, tensors, prefix=prefix, device=map_location)
-
-
-def _dcp_metadata_of(
-    client: CheckpointClient,
-    run: str,
-    step: int | str,
-    tensors: Mapping[str, torch.Tensor],
-    header_metadata: Mapping[str, str],
-) -> Metadata | None:
-    """The DCP metadata of checkpoint ``run/step`` if DCP wrote it, else ``None``: from the
-    response's own metadata when the service put it there, else from ``/info``."""
+    state dict (:func:`full_state`) of a DCP checkpoint served as full tensors, else the
+    flat ``tensors``."""
     text = header_metadata.get(METADATA_KEY)
-    if text is None:
-        if not tensors or not all("@" in name for name in tensors):
-            return None
-        try:
-            text = parts.info(client, run, step).get("metadata", {}).get(METADATA_KEY)
-        except NotFound:  # a service without multi-part checkpoints
-            return None
-    if text is None:
-        return None
+    if text is None or header_metadata.get(LAYOUT_KEY) != FULL:
+        return tensors
     try:
-        return metadata_from_json(text)
+        metadata = metadata_from_json(text)
     except ValueError as exc:
-        raise CorruptData(f"checkpoint {run}/{step}: {exc}") from exc
+        raise CorruptData(f"the checkpoint's DCP metadata: {exc}") from exc
+    return full_state(metadata, tensors, device=map_location)
 
 
 def load_full(
@@ -1025,6 +970,14 @@ def load_full(
     ``prefix`` keeps the entries whose flattened name (``"model.layer.weight"``) starts
     with it and fetches only their shards."""
     with CheckpointClient(url, **client_options) as client:
-        metadata, served = _read_metadata(client, run, step)
-        tensors, _, _ = client._fetch(run, served, prefix, map_location, client.progress)
-    return full_state(metadata, tensors, prefix=prefix, device=map_location)
+        tensors, header_metadata, served = client._fetch(
+            run, step, prefix, map_location, client.progress
+        )
+    if header_metadata.get(LAYOUT_KEY) != FULL:
+        raise InvalidRequest(
+            f"checkpoint {run}/{served} was not saved through DCP (no {METADATA_KEY!r} "
+            "layout): load it with CheckpointClient.load"
+        )
+    state = full_state_if_dcp(tensors, header_metadata, map_location)
+    assert isinstance(state, dict)
+    return state

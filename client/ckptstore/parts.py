@@ -38,6 +38,7 @@ from ckptstore.client import (
     _read_header,
     _read_into,
 )
+from ckptstore_core.dcp_layout import FULL, LAYOUT_KEY
 from ckptstore_core.errors import CorruptData, InvalidStream
 from ckptstore_core.names import PART_NAME_RULE, check_part_name
 from ckptstore_core.wire import FORMAT, TensorSpec, encode_header
@@ -200,21 +201,14 @@ def select(
 
 
 def full_state_if_distributed(
-    client: CheckpointClient,
-    run: str,
-    step: int | str,
-    tensors: dict[str, Any],
-    metadata: Mapping[str, str],
-    prefix: str | None,
-    map_location: Any,
+    tensors: dict[str, Any], metadata: Mapping[str, str], map_location: Any
 ) -> Any:
     """:meth:`CheckpointClient.load`'s hook for a checkpoint without a skeleton: a plain
-    safetensors file stays the flat dict ``tensors``; a DCP checkpoint (its metadata in the
-    response, or every tensor named like a shard, ``fqn@offsets``, and DCP metadata in
-    ``/info``) becomes its full, unsharded state dict (:func:`ckptstore.dcp.full_state`).
+    safetensors file stays the flat dict ``tensors``; a DCP checkpoint, which the service
+    serves as its full tensors, becomes its state dict (:func:`ckptstore.dcp.full_state`).
     Imports torch.distributed.checkpoint only for such checkpoints."""
-    if "dcp" not in metadata and not (tensors and all("@" in name for name in tensors)):
+    if metadata.get(LAYOUT_KEY) != FULL:
         return tensors
     from ckptstore.dcp import full_state_if_dcp
 
-    return full_state_if_dcp(client, run, step, tensors, metadata, prefix, map_location)
+    return full_state_if_dcp(tensors, metadata, map_location)

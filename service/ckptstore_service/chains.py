@@ -214,11 +214,14 @@ class ChainSource:
     def stream(
         self, info: CheckpointRecord, tensors: list[TensorInfo], stats: DecodeStats | None = None
     ) -> Iterator[Piece]:
-        """The bytes of ``tensors`` (some or all of ``info``'s, in index order), each chunk
+        """The bytes of ``tensors`` (some or all of ``info``'s, in the order given), each chunk
         verified against its checksum, the chunks checked to tile their tensors."""
-        wanted = {t.idx for t in tensors}
+        order = {t.idx: i for i, t in enumerate(tensors)}
         own, closure = self._catalog.chunk_tree(info.id)
-        chunks = [c for c in own if c.tensor_idx in wanted]
+        chunks = sorted(
+            (c for c in own if c.tensor_idx in order),
+            key=lambda c: (order[c.tensor_idx], c.offset),
+        )
         check_tiling(tensors, chunks)
         decoder = ChainDecoder(self._store, closure, 2 * self._budget.bytes_in_flight, stats)
         decoder.keep_masters(chunks)

@@ -17,13 +17,14 @@ import json
 import logging
 import os
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 import xxhash
 
 from ckptstore_core.errors import CorruptData, InvalidRequest
 from ckptstore_core.wire import encode_header
+from ckptstore_service.assemble import full_view
 from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog, CheckpointRecord, TensorInfo
 from ckptstore_service.chains import ChainSource, DecodeStats, Piece, check_empty
@@ -61,26 +62,47 @@ class Loader:
     ) -> Restore:
         """Resolve a checkpoint and start its stream of the tensors under ``prefix``, or of
         the tensors ``names`` (InvalidRequest if one is not in the checkpoint), or of all
-        (raises the not-found errors, and any error before the first piece, up front)."""
+        (raises the not-found errors, and any error before the first piece, up front).
+
+        Without ``names``, a checkpoint written through torch.distributed.checkpoint comes
+        as its full tensors (:mod:`ckptstore_service.assemble`); ``names`` selects stored
+        tensors (a DCP checkpoint's pieces) as they are.
+        """
         info = self._catalog.get(run, step)
         tensors = self._catalog.tensors(info.id)
-        if prefix:
-            tensors = [t for t in tensors if t.name.startswith(prefix)]
-        if names is not None:
-            wanted = set(names)
-            tensors = [t for t in tensors if t.name in wanted]
-            if len(tensors) != len(wanted):
-                missing = sorted(wanted - {t.name for t in tensors})[:3]
-                raise InvalidRequest(f"{run}/{info.step} has no tensor {missing}")
+        view = full_view(info.metadata, tensors, prefix) if names is None else None
+        if view is not None:
+            return self._start(
+                info,
+                view.specs,
+                view.metadata(info.metadata),
+                lambda stats: view.stream(self._data(info, view.stored, stats, fill=False)),
+            )
+        tensors = _selected(info, tensors, prefix, names)
         metadata = dict(info.metadata)
         metadata[CHECKSUMS_KEY] = json.dumps({t.name: t.checksum.hex() for t in tensors})
-        first, header = encode_header([(t.name, t.dtype, t.shape) for t in tensors], metadata)
+        whole = not prefix and names is None
+        return self._start(
+            info,
+            [(t.name, t.dtype, t.shape) for t in tensors],
+            metadata,
+            lambda stats: self._data(info, tensors, stats, fill=whole),
+        )
+
+    def _start(
+        self,
+        info: CheckpointRecord,
+        specs: list[tuple[str, str, tuple[int, ...]]],
+        metadata: dict[str, str],
+        data: Callable[[DecodeStats], Iterator[Piece]],
+    ) -> Restore:
+        """The response: the header of ``specs``, then the bytes ``data`` yields."""
+        first, header = encode_header(specs, metadata)
 
         def body() -> Iterator[Piece]:
             t0 = time.perf_counter()
             stats = DecodeStats()
-            whole = not prefix and names is None
-            yield from _coalesced(first, self._data(info, tensors, stats, fill=whole))
+            yield from _coalesced(first, data(stats))
             log.info(
                 "loaded %s/%d: %d bytes in %.2fs from %s (fetch %.2fs, decode %.2fs, in threads)",
                 info.run,
@@ -108,6 +130,24 @@ class Loader:
         stats.source = "storage"
         data = self._source.stream(info, tensors, stats)
         return self._cache.fill(info, data) if fill else data
+
+
+def _selected(
+    info: CheckpointRecord,
+    tensors: list[TensorInfo],
+    prefix: str | None,
+    names: Collection[str] | None,
+) -> list[TensorInfo]:
+    """The tensors under ``prefix``, or those named ``names`` (all of them must exist)."""
+    if prefix:
+        tensors = [t for t in tensors if t.name.startswith(prefix)]
+    if names is not None:
+        wanted = set(names)
+        tensors = [t for t in tensors if t.name in wanted]
+        if len(tensors) != len(wanted):
+            missing = sorted(wanted - {t.name for t in tensors})[:3]
+            raise InvalidRequest(f"{info.run}/{info.step} has no tensor {missing}")
+    return tensors
 
 
 def _coalesced(first: bytes, pieces: Iterator[Piece]) -> Iterator[Piece]:

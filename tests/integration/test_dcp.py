@@ -28,6 +28,7 @@ from ckptstore.dcp import (
     load_full,
     metadata_from_json,
 )
+from ckptstore_core.dcp_layout import FULL, LAYOUT_KEY
 from support import dcp_ranks
 from support.serviceproc import Service
 from support.states import assert_same_state
@@ -119,6 +120,34 @@ def test_one_process_loads_the_full_state(service: Service, saved: Path) -> None
     assert list(model_only) == ["model"]
     assert_same_state(_plain(_full(saved / "full-4.pt"))["model"], model_only["model"])
     assert_same_state(_plain(_full(saved / "full-6.pt")), load_full(service.url, "fsdp"))
+
+
+def test_a_plain_get_is_the_full_state_as_one_safetensors_file(
+    service: Service, saved: Path
+) -> None:
+    from safetensors.torch import load as load_safetensors
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    response = httpx.get(f"{service.url}/v1/runs/fsdp/checkpoints/latest", timeout=60)
+    assert response.status_code == 200 and response.headers["x-ckptstore-step"] == "6"
+    body = response.content
+    header = json.loads(body[8 : 8 + int.from_bytes(body[:8], "little")])
+    assert header["__metadata__"][LAYOUT_KEY] == FULL
+    served = load_safetensors(body)  # the safetensors library reads it
+    flat, _ = flatten_state_dict(_full(saved / "full-6.pt"))
+    tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    assert set(tensors) <= set(served)  # DCP's names, not pieces: "model.embed.weight"
+    for name, tensor in tensors.items():
+        assert served[name].dtype == tensor.dtype and torch.equal(served[name], tensor), name
+    # the rest are DCP's torch.save bytes of the non-tensor values, as U8 tensors
+    others = set(served) - set(tensors)
+    assert others and all(served[name].dtype == torch.uint8 for name in others)
+    only_model = httpx.get(
+        f"{service.url}/v1/runs/fsdp/checkpoints/6", params={"prefix": "model."}, timeout=60
+    )
+    assert set(load_safetensors(only_model.content)) == {
+        k for k in tensors if k.startswith("model.")
+    }
 
 
 def test_a_committed_step_is_not_written_again(service: Service, saved: Path) -> None:

@@ -45,6 +45,44 @@ def shards(
     ]
 
 
+def dcp_layout(ranks: int = 2, rows: int = 64, cols: int = 512) -> str:
+    """The DCP metadata (ckptstore's JSON form) of :func:`shards`: ``w`` and ``b`` split in
+    ``ranks`` row blocks."""
+    per = rows // ranks
+    tensor = {"t": "tensor", "dtype": "float32"}
+    return json.dumps(
+        {
+            "v": 1,
+            "state_dict": [
+                [
+                    "w",
+                    {
+                        **tensor,
+                        "size": [rows, cols],
+                        "chunks": [[[r * per, 0], [per, cols]] for r in range(ranks)],
+                    },
+                ],
+                [
+                    "b",
+                    {
+                        **tensor,
+                        "size": [rows],
+                        "chunks": [[[r * per], [per]] for r in range(ranks)],
+                    },
+                ],
+            ],
+            "storage_data": [
+                entry
+                for r in range(ranks)
+                for entry in (
+                    ["w", [r * per, 0], f"rank-{r}", f"w@{r * per},0"],
+                    ["b", [r * per], f"rank-{r}", f"b@{r * per}"],
+                )
+            ],
+        }
+    )
+
+
 def put_part(url: str, run: str, step: int, part: str, body: bytes) -> httpx.Response:
     with httpx.Client(base_url=url, timeout=60) as c:
         return c.put(f"/v1/runs/{run}/checkpoints/{step}/parts/{part}", content=body)
@@ -90,7 +128,7 @@ def test_parts_are_invisible_until_the_commit_then_load_as_one_checkpoint(
     with httpx.Client(base_url=svc.url, timeout=60) as c:
         assert c.get("/v1/runs/dist/checkpoints").status_code == 404  # nothing visible
         assert c.get("/v1/runs/dist/checkpoints/latest").status_code == 404
-    done = commit(svc.url, "dist", 1, ["rank-0", "rank-1"], {"dcp": "{}"})
+    done = commit(svc.url, "dist", 1, ["rank-0", "rank-1"], {"dcp": dcp_layout()})
     assert done.status_code == 201, done.text
     assert done.json()["parts"] == 2 and done.json()["step"] == 1
     with httpx.Client(base_url=svc.url, timeout=60) as c:
@@ -101,11 +139,13 @@ def test_parts_are_invisible_until_the_commit_then_load_as_one_checkpoint(
         info = c.get("/v1/runs/dist/checkpoints/latest/info").json()
         picked = c.post("/v1/runs/dist/checkpoints/1/select", json={"names": ["w@32,0"]})
     expected = {k: v.tobytes() for part in shards(1) for k, v in part.items()}
-    assert tensors_of(whole.content) == expected
+    # a plain GET serves the full tensors that the DCP layout describes, in its order
+    full = {n: b"".join(expected[p] for p in expected if p.startswith(f"{n}@")) for n in "wb"}
+    assert tensors_of(whole.content) == full
     assert [t["name"] for t in info["tensors"]] == list(expected)
-    assert info["metadata"]["dcp"] == "{}" and info["checkpoint"]["parts"] == 2
+    assert info["metadata"]["dcp"] == dcp_layout() and info["checkpoint"]["parts"] == 2
     assert tensors_of(picked.content) == {"w@32,0": expected["w@32,0"]}
-    assert int(picked.headers["content-length"]) < len(whole.content) / 2
+    assert int(picked.headers["content-length"]) < 0.6 * len(whole.content)  # half the rows
 
 
 def test_the_next_save_of_the_same_shards_pays_deltas(make_service: Callable[..., Service]):
@@ -130,6 +170,10 @@ def test_retries_conflicts_and_bad_commits(make_service: Callable[..., Service])
     other = put_part(svc.url, "retry", 5, "rank-0", part_body(bodies[1]))
     assert_error(other, 409, "checkpoint_exists")
     assert_error(commit(svc.url, "retry", 5, ["rank-0", "rank-7"]), 400, "invalid_request")
+    for layout in ("{}", "not json", dcp_layout(ranks=4)):  # no DCP layout of these parts
+        bad = commit(svc.url, "retry", 5, ["rank-0", "rank-1"], {"dcp": layout})
+        assert_error(bad, 400, "invalid_request")
+        assert "no DCP layout" in bad.json()["error"]["message"]
     assert_error(commit(svc.url, "retry", 6, ["rank-0"]), 400, "invalid_request")
     assert_error(put_part(svc.url, "retry", 5, "-x", b""), 400, "invalid_request")
     assert commit(svc.url, "retry", 5, ["rank-0", "rank-1"]).status_code == 201

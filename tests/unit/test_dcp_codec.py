@@ -1,5 +1,6 @@
 """ckptstore.dcp without a service: DCP Metadata <-> JSON, checkpoint ids, shard names,
-pickling of the writer and reader, and assembling full tensors from shards."""
+pickling of the writer and reader, and full tensors from shards (the service's
+assembly, then the client's nesting)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ from ckptstore.dcp import (
     parse_checkpoint_id,
     shard_name,
 )
+from ckptstore.state import dtype_to_wire, tensor_bytes, tensor_from_bytes
+from ckptstore_core.dcp_layout import METADATA_KEY
 from ckptstore_core.errors import CorruptData, InvalidRequest
+from ckptstore_core.wire import tensor_nbytes
 from support.states import assert_same_state
 
 
@@ -231,15 +235,50 @@ def test_full_state_assembles_shards_and_unflattens() -> None:
             )
     metadata.state_dict_metadata = new_sd
     metadata.storage_data = new_storage
-    back = metadata_from_json(metadata_to_json(metadata))
-    full = full_state(back, flat)
+    text = metadata_to_json(metadata)
+    back = metadata_from_json(text)
     expected = _stringified(state)
-    assert_same_state(expected, full, same_objects=False)
-    only_model = full_state(back, flat, prefix="model.")
+    assert_same_state(expected, full_state(back, _served(text, flat)), same_objects=False)
+    only_model = full_state(back, _served(text, flat, prefix="model."))
     assert list(only_model) == ["model"]
+    assert_same_state(expected["model"], only_model["model"], same_objects=False)
+    with pytest.raises(CorruptData, match=r"model\.0\.weight"):
+        full_state(back, {"model.0.weight": torch.zeros(1)})  # not what DCP saved
     del flat[shard_name("model.0.weight", [0, 0])]
-    with pytest.raises(CorruptData, match=r"model\.0\.weight@0,0"):
-        full_state(back, flat)
+    assert _full_view(text, flat) is None  # served as stored
+
+
+def _full_view(text: str, stored: dict[str, torch.Tensor], prefix: str | None = None) -> Any:
+    from ckptstore_service.assemble import full_view
+    from ckptstore_service.catalog import TensorInfo
+
+    infos = [
+        TensorInfo(i, name, dtype_to_wire(t.dtype), tuple(t.shape), 0, t.nbytes, b"")
+        for i, (name, t) in enumerate(stored.items())
+    ]
+    return full_view({METADATA_KEY: text}, infos, prefix)
+
+
+def _served(
+    text: str, stored: dict[str, torch.Tensor], prefix: str | None = None
+) -> dict[str, torch.Tensor]:
+    """What the service's GET returns for a DCP checkpoint of ``stored`` pieces: its
+    full tensors by DCP name (:mod:`ckptstore_service.assemble`, without I/O)."""
+    view = _full_view(text, stored, prefix)
+    assert view is not None
+    data = view.stream(iter([tensor_bytes(stored[t.name]) for t in view.stored]))
+    out = {}
+    for name, dtype, shape in view.specs:
+        raw = b"".join(bytes(p) for p in _take(data, tensor_nbytes(dtype, shape)))
+        out[name] = tensor_from_bytes(bytearray(raw), dtype, shape)
+    return out
+
+
+def _take(data: Any, n: int) -> Any:
+    while n:
+        piece = next(data)
+        n -= len(piece)
+        yield piece
 
 
 def _lookup(state: Any, path: tuple[Any, ...]) -> Any:
@@ -270,9 +309,9 @@ def test_full_state_refuses_objects_that_are_no_plain_values() -> None:
         state_dict_metadata={"obj": BytesStorageMetadata()},
         storage_data={MetadataIndex("obj"): StorageInfo("rank-0", "obj@bytes")},
     )
-    stored = {"obj@bytes": torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)}
+    served = {"obj": torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)}
     with pytest.raises(InvalidRequest, match="weights_only"):
-        full_state(metadata, stored)
+        full_state(metadata, served)
 
 
 def test_grid_cuts_at_cells_of_the_global_tensor() -> None:

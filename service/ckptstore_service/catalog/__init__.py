@@ -115,6 +115,9 @@ class Catalog:
     def open_parts(self, run_id: int, step: int) -> int:
         return parts.open_checkpoint(self._db, run_id, step)
 
+    def open_parts_of(self, run: str, step: int) -> int | None:
+        return parts.open_checkpoint_of(self._db, run, step)
+
     def find_part(self, checkpoint_id: int, name: str) -> PartRecord | None:
         return parts.find_part(self._db, checkpoint_id, name)
 

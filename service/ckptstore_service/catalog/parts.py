@@ -116,6 +116,18 @@ def open_checkpoint(db: Database, run_id: int, step: int) -> int:
         )
 
 
+def open_checkpoint_of(db: Database, run: str, step: int) -> int | None:
+    """The id of the ``parts`` row of ``run/step``, if parts of it were uploaded and it is
+    not committed yet."""
+    with db.session() as s:
+        found = s.scalar(
+            select(Checkpoint.id)
+            .join(Run, Run.id == Checkpoint.run_id)
+            .where(Run.name == run, Checkpoint.step == step, Checkpoint.status == PARTS)
+        )
+        return None if found is None else int(found)
+
+
 def find_part(db: Database, checkpoint_id: int, name: str) -> PartRecord | None:
     with db.session() as s:
         row = s.scalar(select(Part).where(Part.checkpoint_id == checkpoint_id, Part.name == name))

@@ -21,7 +21,9 @@ import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 
-from ckptstore_core.errors import CheckpointExists
+from ckptstore_core.dcp_layout import METADATA_KEY
+from ckptstore_core.errors import CheckpointExists, InvalidRequest
+from ckptstore_service.assemble import layout_view
 from ckptstore_service.catalog import Catalog, CheckpointRecord, PartRecord
 from ckptstore_service.chains import ChainDecoder
 from ckptstore_service.maintenance.garbage import delete_blob
@@ -132,6 +134,8 @@ class PartSaver:
                 if self._catalog.committed_parts(existing.id) == list(names):
                     return existing, False
                 raise CheckpointExists(f"run {run!r} already has a checkpoint at step {step}")
+            if METADATA_KEY in metadata:
+                self._check_layout(run, step, names, metadata[METADATA_KEY])
             parent = self._catalog.parent_of(run, step)
             keyframe = parent is None or (
                 parent.since_keyframe + 1 >= self._settings.keyframe_interval
@@ -150,6 +154,27 @@ class PartSaver:
         record = self._catalog.get(run, step)
         self._metrics.committed(record)
         return record, True
+
+    def _check_layout(self, run: str, step: int, names: Sequence[str], text: str) -> None:
+        """InvalidRequest unless DCP metadata ``text`` is a layout of the parts' tensors
+        (what a plain GET serves as full tensors, :mod:`ckptstore_service.assemble`).
+        Parts missing or unfinished are left to the commit to refuse."""
+        checkpoint_id = self._catalog.open_parts_of(run, step)
+        if checkpoint_id is None:
+            return
+        tensors = []
+        for name in names:
+            part = self._catalog.find_part(checkpoint_id, name)
+            if part is None or part.status != "done":
+                return
+            tensors += self._catalog.part_tensors(part)
+        try:
+            layout_view(text, tensors)
+        except ValueError as exc:
+            raise InvalidRequest(
+                f"{run}/{step}: metadata {METADATA_KEY!r} is no DCP layout of the parts' "
+                f"tensors: {exc}"
+            ) from None
 
     def collect(self, part: PartRecord) -> bool:
         """Delete a part that nobody writes and no commit names: its blob, then its rows
