@@ -55,6 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             workers=runtime.workers,
             quiet_s=settings.reroot_quiet_s,
             parts_ttl_s=settings.parts_ttl_s,
+            period_s=settings.sweep_interval_s,
             metrics=metrics,
         )
         try:

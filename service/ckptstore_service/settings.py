@@ -56,6 +56,12 @@ class Settings(BaseSettings):
         description="A checkpoint written in parts (a distributed save) that no commit made "
         "visible this long after its first part arrived is abandoned: its parts are deleted.",
     )
+    sweep_interval_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="How often the background sweep collects, on every run, garbage that is "
+        "due and parts that are abandoned (CKPTSTORE_PARTS_TTL_S) or have no writer.",
+    )
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_path_style: bool = False
