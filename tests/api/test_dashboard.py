@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import html
 import os
+import re
 import shutil
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -29,8 +31,9 @@ from starlette.testclient import TestClient
 
 from ckptstore import CheckpointClient
 from ckptstore import parts as client_parts
-from ckptstore_service.api.dashboard import human_bytes, ratio
+from ckptstore_service.api.dashboard import MAX_CHART_POINTS, bytes_chart, human_bytes, ratio
 from ckptstore_service.app import create_app
+from ckptstore_service.catalog import CheckpointRecord
 from ckptstore_service.settings import Settings
 from support.bodies import valid_body
 
@@ -146,6 +149,39 @@ def test_links_follow_the_prefix_the_app_is_mounted_under(tmp_path: Path) -> Non
         run_page = client.get("/ui/runs/r1").text
         assert 'href="/ckpt/ui"' in run_page
         assert 'href="/ckpt/v1/runs/r1/checkpoints"' in run_page
+
+
+def chain_of(n: int, stored: int = 400) -> list[CheckpointRecord]:
+    """A chain of ``n`` records, a keyframe then deltas, as the catalog lists them."""
+    return [
+        CheckpointRecord(
+            run="r",
+            step=i,
+            parent_step=None if i == 0 else i - 1,
+            keyframe=i == 0,
+            chain_depth=i,
+            raw_bytes=1000,
+            stored_bytes=stored if i else 1000,
+            tensors=1,
+            created=datetime(2026, 1, 1, tzinfo=UTC),
+            id=i + 1,
+            since_keyframe=i,
+            blob_key=f"k{i}",
+            metadata={},
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("n", [1, 3, MAX_CHART_POINTS, MAX_CHART_POINTS + 1])
+def test_the_chart_marks_each_checkpoint_up_to_its_cap(n: int) -> None:
+    svg = bytes_chart(chain_of(n))
+    assert svg.count("<polyline") == 2
+    marked = n <= MAX_CHART_POINTS
+    assert len(re.findall(r"<circle class=\"stored", svg)) == (n if marked else 0)
+    ys = {float(y) for y in re.findall(r'class="stored[^"]*" cx="[^"]+" cy="([^"]+)"', svg)}
+    assert len(ys) == (min(n, 2) if marked else 0)  # the keyframe's 1000 bytes, the deltas' 400
+    assert bytes_chart(chain_of(2, stored=0)).count("<polyline") == 2  # nothing stored: no error
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from ckptstore_service.api.deps import RuntimeDep
 from ckptstore_service.catalog import Catalog, CheckpointRecord
 from ckptstore_service.names import check_run_name
 
-__all__ = ["MAX_CHART_POINTS", "human_bytes", "ratio", "router"]
+__all__ = ["MAX_CHART_POINTS", "bytes_chart", "human_bytes", "ratio", "router"]
 
 router = APIRouter(include_in_schema=False)
 
@@ -235,7 +235,7 @@ def _run_body(root: str, run: str, records: Sequence[CheckpointRecord]) -> str:
         f"<b>{human_bytes(raw)}</b> raw stored in <b>{human_bytes(stored)}</b> "
         f'({ratio(raw, stored)}). <a href="{_e(api)}">JSON</a></p>'
     )
-    content = f"<h1>{_e(run)}</h1>{summary}{_chart(records)}{_chain_table(records)}"
+    content = f"<h1>{_e(run)}</h1>{summary}{bytes_chart(records)}{_chain_table(records)}"
     return _frame(root, f'<p><a href="{_e(root)}/ui">\u2190 All runs</a></p>{content}')
 
 
@@ -273,7 +273,7 @@ _RAW_COLOUR, _STORED_COLOUR = "#8c959f", "#0969da"
 _Scale = Callable[[int], float]  # bytes -> the y of the plot
 
 
-def _chart(records: Sequence[CheckpointRecord]) -> str:
+def bytes_chart(records: Sequence[CheckpointRecord]) -> str:
     """Raw and stored bytes per checkpoint, in step order: two lines on one byte axis, a
     marker per checkpoint (its figures in a tooltip; keyframes ringed) up to
     :data:`MAX_CHART_POINTS`."""
