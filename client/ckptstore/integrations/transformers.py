@@ -125,15 +125,10 @@ def _read_safetensors(path: Path) -> dict[str, object]:
     if start > size:
         raise ValueError(f"{path} is not a safetensors file (header of {header_len} bytes)")
     header = bytes(view[8:start])
-    specs = json.loads(header)
     tensors: dict[str, torch.Tensor] = {}
     end = 0
-    # by offset: the data must tile the file after the header, or a rewrite would differ
-    items = sorted(
-        ((k, v) for k, v in specs.items() if k != "__metadata__"),
-        key=lambda kv: tuple(kv[1]["data_offsets"]),
-    )
-    for name, spec in items:
+    # the data must tile the file after the header, or a rewrite would differ
+    for name, spec in _by_offset(header):
         lo, hi = spec["data_offsets"]
         if lo != end or hi < lo:
             raise ValueError(f"{path}: tensor {name!r} does not follow the one before it")
@@ -144,6 +139,15 @@ def _read_safetensors(path: Path) -> dict[str, object]:
     if start + end != size:
         raise ValueError(f"{path}: {size - start - end} bytes after the last tensor")
     return {"kind": "safetensors", "header": _u8(header), "tensors": tensors}
+
+
+def _by_offset(header: bytes) -> list[tuple[str, dict[str, Any]]]:
+    """The tensors a safetensors header describes, ``(name, spec)`` in file order."""
+    specs = json.loads(header)
+    if not isinstance(specs, dict):
+        raise ValueError("a safetensors header is a JSON object")
+    tensors = [(k, v) for k, v in specs.items() if k != "__metadata__"]
+    return sorted(tensors, key=lambda kv: tuple(kv[1]["data_offsets"]))
 
 
 def _u8(data: bytes) -> torch.Tensor:
@@ -201,15 +205,11 @@ def _safe_relative(rel: object) -> PurePosixPath:
 def _write_safetensors(entry: dict[str, Any], path: Path) -> None:
     """Rewrite a safetensors file from its verbatim header and its tensors, byte for byte."""
     header = bytes(tensor_bytes(entry["header"]))
-    specs = json.loads(header)
     tensors: dict[str, torch.Tensor] = entry["tensors"]
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
-        for name, spec in sorted(
-            ((k, v) for k, v in specs.items() if k != "__metadata__"),
-            key=lambda kv: tuple(kv[1]["data_offsets"]),
-        ):
+        for name, spec in _by_offset(header):
             t = tensors[name]
             if t.dtype != dtype_from_wire(spec["dtype"]) or list(t.shape) != spec["shape"]:
                 raise ValueError(f"{path.name}: tensor {name!r} does not match its header")
@@ -254,7 +254,8 @@ def write_checkpoint_folder(state: object, folder: str | os.PathLike[str]) -> No
 
 
 class CkptStoreCallback(TrainerCallback):
-    """Upload every checkpoint the ``Trainer`` saves to the ckptstore run ``run`` at ``url``.
+    """Upload every checkpoint the ``Trainer`` saves to the ckptstore run ``run`` at ``url``
+    (``None``: ``CKPTSTORE_URL``, else ``http://127.0.0.1:8000``, as ``CheckpointClient``).
 
     In ``on_save`` (right after the ``Trainer`` wrote ``<output_dir>/checkpoint-<step>``) the
     folder's files are read (:func:`read_checkpoint_folder`) and handed to
@@ -278,7 +279,7 @@ class CkptStoreCallback(TrainerCallback):
 
     def __init__(
         self,
-        url: str,
+        url: str | None,
         run: str,
         *,
         delete_local: bool = False,
@@ -341,12 +342,13 @@ class CkptStoreCallback(TrainerCallback):
         if client is not None:
             client.close()
         uploads, self._uploads = self._uploads, []
+        url = client.url if client is not None else self.url
         stored = [f.result() for _, f in uploads if f.exception() is None]
         failures = {step: exc for step, f in uploads if (exc := f.exception()) is not None}
         if failures:
             message = (
                 f"ckptstore: {len(failures)} of {len(uploads)} checkpoint uploads to run "
-                f"{self.run!r} at {self.url} failed: "
+                f"{self.run!r} at {url} failed: "
                 + "; ".join(f"step {step}: {exc}" for step, exc in failures.items())
             )
             if self.raise_on_error:
@@ -368,7 +370,7 @@ def _delete_when_stored(folder: Path) -> Callable[[Future[CheckpointInfo]], None
 
 
 def restore_checkpoint(
-    url: str,
+    url: str | None,
     run: str,
     step: int | str = "latest",
     *,
