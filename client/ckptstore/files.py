@@ -66,7 +66,7 @@ def pull_file(
                 with _local(tmp):
                     out.seek(0)
                     out.truncate()
-                _copy_verified(response, out, tmp, bar.update)
+                _copy_verified(response, total, out, tmp, bar.update)
             finally:
                 bar.close()
         except BaseException:
@@ -144,17 +144,27 @@ def _unwrap_local(call: Callable[[], T]) -> T:
 
 def _copy_verified(
     response: http.client.HTTPResponse,
+    length: int,
     out: io.BufferedWriter,
     path: Path,
     progress: Callable[[int], None],
 ) -> None:
-    """Copy the response body to ``out`` as it arrives, parsing it as a safetensors stream
-    and checking each tensor against the checksum in its metadata (CorruptData if one does
-    not match, InvalidStream if the stream is malformed or ends early)."""
+    """Copy the response body (``length`` bytes, its Content-Length) to ``out`` as it
+    arrives, parsing it as a safetensors stream and checking each tensor against the
+    checksum in its metadata: CorruptData if one does not match, InvalidStream if the
+    stream is malformed, IncompleteRead (which the client retries) if the connection closes
+    before ``length`` bytes."""
     parser = StreamParser(max_header_bytes=_MAX_HEADER)
     hashers: list[xxhash.xxh3_128] = []
     buf = memoryview(bytearray(_PIECE))
-    while n := response.readinto(buf):
+    got = 0
+    while True:
+        n = response.readinto(buf)
+        if not n:  # http.client returns 0, not an error, when the peer closes early
+            if got < length:
+                raise http.client.IncompleteRead(b"", length - got)
+            break
+        got += n
         for event in parser.feed(buf[:n]):
             if isinstance(event, Header):
                 hashers = [xxhash.xxh3_128() for _ in event.tensors]

@@ -8,10 +8,13 @@ without a fresh interpreter importing torch each time); the unreachable-service 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -274,3 +277,70 @@ def test_pull_and_push_stream_in_bounded_memory(service: Service, tmp_path: Path
     # the interpreter with numpy and xxhash: ~45 MiB (measured); a whole checkpoint adds 64
     print(f"peak RSS: push {pushed_rss / MiB:.0f} MiB, pull {pulled_rss / MiB:.0f} MiB")
     assert pushed_rss < 80 * MiB and pulled_rss < 80 * MiB, (pushed_rss, pulled_rss)
+
+
+class CuttingProxy:
+    """A TCP proxy to ``127.0.0.1:port`` that closes its first connection after ``limit``
+    bytes of the response: a service that fails mid-stream once, then answers."""
+
+    def __init__(self, port: int, limit: int) -> None:
+        self._port = port
+        self._limit = limit
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                downstream, _ = self._server.accept()
+            except OSError:  # closed
+                return
+            self.connections += 1
+            upstream = socket.create_connection(("127.0.0.1", self._port))
+            limit = self._limit if self.connections == 1 else None
+            threading.Thread(target=_pipe, args=(downstream, upstream, None), daemon=True).start()
+            threading.Thread(target=_pipe, args=(upstream, downstream, limit), daemon=True).start()
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def _pipe(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+    """Copy ``src`` to ``dst`` (at most ``limit`` bytes), then close both."""
+    sent = 0
+    try:
+        while data := src.recv(1 << 16):
+            if limit is not None and sent + len(data) >= limit:
+                dst.sendall(data[: limit - sent])
+                break
+            dst.sendall(data)
+            sent += len(data)
+    except OSError:
+        pass
+    finally:
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+def test_a_pull_cut_short_is_retried_from_the_start(
+    service: Service, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with CheckpointClient(service.url) as client:
+        client.save("cut-run", 1, {"w": torch.randn(1 << 18), "b": torch.arange(1000)})
+    direct = tmp_path / "direct.safetensors"
+    assert run_cli(capsys, "pull", "cut-run", "-o", str(direct), "--url", service.url)[0] == 0
+
+    proxy = CuttingProxy(service.port, limit=300_000)  # the response is ~1 MiB
+    try:
+        cut = tmp_path / "cut.safetensors"
+        code, _, err = run_cli(capsys, "pull", "cut-run", "-o", str(cut), "--url", proxy.url)
+    finally:
+        proxy.close()
+    assert code == 0, err
+    assert f"ckptstore: {proxy.url} cut its response short; retrying" in err
+    assert proxy.connections == 2
+    assert cut.read_bytes() == direct.read_bytes()  # the retry rewrote the file from the start
