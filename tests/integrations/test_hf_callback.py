@@ -23,9 +23,11 @@ from transformers import (
 
 from ckptstore import CheckpointClient, CheckpointNotFound, RunNotFound
 from ckptstore.integrations.transformers import (
+    FORMAT,
     CheckpointUploadError,
     CkptStoreCallback,
     restore_checkpoint,
+    write_checkpoint_folder,
 )
 from support.serviceproc import Service, free_port
 from support.states import assert_same_state
@@ -243,3 +245,15 @@ def test_restore_refuses_what_it_cannot_resume(service: Service, tmp_path: Path)
     with pytest.raises(ValueError, match="not a Hugging Face Trainer checkpoint"):
         restore_checkpoint(service.url, "hf-plain", output_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["../escape", "/etc/escape", "a/../../escape", "a//b", ""])
+def test_stored_file_names_cannot_leave_the_folder(tmp_path: Path, name: str) -> None:
+    state = {
+        "format": FORMAT,
+        "step": 1,
+        "files": {name: {"kind": "bytes", "data": torch.ones(1, dtype=torch.uint8)}},
+    }
+    with pytest.raises(ValueError, match="file name"):
+        write_checkpoint_folder(state, tmp_path / "checkpoint-1")
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
