@@ -10,21 +10,33 @@ the requests themselves (outcome, duration, in flight) are counted around the ro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from ckptstore_service.catalog import CheckpointRecord, PartRecord
 
 if TYPE_CHECKING:  # the maintenance package counts into Metrics: no import cycle
     from ckptstore_service.maintenance.reroot import Rerooted
 
-__all__ = ["Metrics", "Op", "Outcome", "Task"]
+__all__ = ["KINDS", "Metrics", "Op", "Outcome", "Task"]
 
 Op = Literal["save", "load"]
 Outcome = Literal["ok", "client_error", "server_error"]
 Task = Literal["reroot", "garbage", "parts"]
 CachePath = Literal["save", "load"]
+# the kinds of request of each operation (api/instrument.py's OPERATIONS)
+KINDS: dict[Op, tuple[str, ...]] = {
+    "save": ("single", "part", "commit"),
+    "load": ("checkpoint", "select"),
+}
 
 # 10 ms (a small save, a cached load) .. 10 min (a large cold save over a slow link)
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -38,6 +50,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        ProcessCollector(registry=r)  # process_*: CPU seconds, resident memory, open fds
         self._requests = {
             "save": Counter(
                 "ckptstore_saves",
@@ -141,11 +154,35 @@ class Metrics:
             registry=r,
         )
         self._freed = Counter(
-            "ckptstore_collected_bytes",
+            "ckptstore_collected_part_bytes",
             "Stored bytes freed by deleting parts nobody committed (as recorded: none for "
             "a part whose upload never finished)",
             registry=r,
         )
+        self._start_at_zero()
+
+    def _start_at_zero(self) -> None:
+        """Create every series of known labels, at 0: a rate over a series that appears
+        only at its first event misses that event, and dashboards show no data until then."""
+        outcomes = get_args(Outcome)
+        for op, kinds in KINDS.items():
+            for kind in kinds:
+                self._durations[op].labels(kind)
+                for outcome in outcomes:
+                    self._requests[op].labels(kind, outcome)
+        for kind in ("single", "part"):
+            self._raw_bytes.labels(kind)
+            self._stored_bytes.labels(kind)
+        for path in get_args(CachePath):
+            self._cache_hits.labels(path)
+            self._cache_misses.labels(path)
+        for task in get_args(Task):
+            for outcome in ("ok", "error"):
+                self._maintenance.labels(task, outcome)
+        for blobs in ("replaced", "written"):
+            self._reroot_bytes.labels(blobs)
+        for task in ("garbage", "parts"):
+            self._collected.labels(task)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""

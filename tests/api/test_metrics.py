@@ -18,8 +18,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ckptstore_core.wire import FORMAT, encode_header
-from ckptstore_service.api.instrument import outcome_of
+from ckptstore_service.api.instrument import OPERATIONS, outcome_of
 from ckptstore_service.app import create_app
+from ckptstore_service.metrics import KINDS
 from ckptstore_service.settings import Settings
 from support.bodies import framed, meta_for
 from support.serviceproc import Service, wait_idle
@@ -149,11 +150,13 @@ def test_counters_move_by_what_the_service_did(service: Service) -> None:
     assert delta("ckptstore_reroot_chunks_rewritten_total") >= 1
     assert delta("ckptstore_reroot_blob_bytes_total", blobs="replaced") > 0
     assert delta("ckptstore_reroot_blob_bytes_total", blobs="written") > 0
-    assert not any(
-        value
-        for (name, labels), value in after.items()
-        if ("outcome", "server_error") in labels or ("outcome", "error") in labels
-    )
+    errors = [
+        (name, dict(labels))
+        for name, labels in after
+        if name.endswith("_total") and {("outcome", "server_error"), ("outcome", "error")} & labels
+    ]
+    assert errors  # the series exist from the start, at 0
+    assert not [e for e in errors if delta(e[0], **e[1])]
 
 
 def asgi_get(settings: Settings, path: str) -> httpx.Response:
@@ -172,12 +175,17 @@ def test_each_app_has_its_own_registry_and_metrics_can_be_off(tmp_path: Path) ->
     for _ in range(2):
         response = asgi_get(Settings(data_dir=tmp_path), "/metrics")
         assert response.status_code == 200
-        assert "# TYPE ckptstore_saves_total counter" in response.text
+        assert 'ckptstore_saves_total{kind="single",outcome="ok"} 0.0' in response.text
     off = asgi_get(Settings(data_dir=tmp_path, metrics=False), "/metrics")
     assert off.status_code == 404
     assert off.json()["error"]["code"] == "not_found"
     spec = asgi_get(Settings(data_dir=tmp_path), "/openapi.json").json()
     assert "/metrics" not in spec["paths"]  # Prometheus' text, not the JSON API
+
+
+def test_every_counted_route_has_its_series() -> None:
+    counted = set(OPERATIONS.values())
+    assert counted == {(op, kind) for op, kinds in KINDS.items() for kind in kinds}
 
 
 @pytest.mark.parametrize(
