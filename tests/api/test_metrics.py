@@ -16,11 +16,14 @@ import httpx
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ckptstore_core.errors import CorruptData
 from ckptstore_core.wire import FORMAT, encode_header
-from ckptstore_service.api.instrument import OPERATIONS, outcome_of
+from ckptstore_service.api.instrument import OPERATIONS, MetricsMiddleware, outcome_of
 from ckptstore_service.app import create_app
-from ckptstore_service.metrics import KINDS
+from ckptstore_service.metrics import KINDS, Metrics
 from ckptstore_service.settings import Settings
 from support.bodies import framed, meta_for
 from support.serviceproc import Service, wait_idle
@@ -29,15 +32,20 @@ from support.waiting import wait_until
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
+def parse(text: str) -> Samples:
+    """Every sample of a scrape, by name and labels (prometheus_client's own parser)."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
 def scrape(client: httpx.Client) -> Samples:
     response = client.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(response.text)
-        for s in family.samples
-    }
+    return parse(response.text)
 
 
 def moved(before: Samples, after: Samples) -> Callable[..., float]:
@@ -181,6 +189,45 @@ def test_each_app_has_its_own_registry_and_metrics_can_be_off(tmp_path: Path) ->
     assert off.json()["error"]["code"] == "not_found"
     spec = asgi_get(Settings(data_dir=tmp_path), "/openapi.json").json()
     assert "/metrics" not in spec["paths"]  # Prometheus' text, not the JSON API
+
+
+async def _cut_short(scope: Scope, receive: Receive, send: Send) -> None:
+    """A load whose stream fails after its first piece."""
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"x" * 10, "more_body": True})
+    raise CorruptData("chunk 3 does not match its checksum")
+
+
+async def _hung_up(scope: Scope, receive: Receive, send: Send) -> None:
+    """A load whose client went away in the middle of its stream."""
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    raise ClientDisconnect()
+
+
+@pytest.mark.parametrize(
+    ("inner", "outcome"), [(_cut_short, "server_error"), (_hung_up, "client_error")]
+)
+def test_a_stream_cut_short_counts_as_an_error(inner: ASGIApp, outcome: str) -> None:
+    metrics = Metrics()
+    middleware = MetricsMiddleware(inner, metrics=metrics)
+    scope = {"type": "http", "method": "GET", "path": "/v1/runs/r/checkpoints/1", "root_path": ""}
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Message) -> None:
+        pass
+
+    with pytest.raises((CorruptData, ClientDisconnect)):
+        asyncio.run(middleware(scope, receive, send))
+    samples = parse(metrics.exposition().decode())
+    outcomes = {
+        o: samples["ckptstore_loads_total", frozenset({("kind", "checkpoint"), ("outcome", o)})]
+        for o in ("ok", "client_error", "server_error")
+    }
+    assert outcomes == {"ok": 0, "client_error": 0, "server_error": 0, outcome: 1}
+    assert samples["ckptstore_loads_in_flight", frozenset()] == 0
+    assert samples["ckptstore_loaded_bytes_total", frozenset()] == 0  # counted for ok loads
 
 
 def test_every_counted_route_has_its_series() -> None:

@@ -11,14 +11,14 @@ see: its response has left it by then.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
-from starlette.routing import BaseRoute, Match, Route
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ckptstore_service.api import parts, routes
@@ -40,9 +40,7 @@ def instrument(app: FastAPI, metrics: Metrics) -> None:
     """Count ``app``'s saves and loads into ``metrics`` and serve them at ``GET /metrics``
     (Prometheus' text format; not part of the OpenAPI document, which describes the JSON
     API)."""
-    # the routers' own routes: the app's hold them behind FastAPI's include wrappers
-    watched = [*routes.router.routes, *parts.router.routes]
-    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=watched)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     @app.get("/metrics", include_in_schema=False)
     async def scrape() -> Response:
@@ -63,12 +61,14 @@ def outcome_of(status: int | None, complete: bool, failed: bool) -> Outcome:
 class MetricsMiddleware:
     """Counts the requests of :data:`OPERATIONS` (see the module's docstring)."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, routes: Sequence[BaseRoute]) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
+        # the routers' own routes: the app holds them behind FastAPI's include wrappers,
+        # which a match cannot see through (the paths are the same: no prefix)
         self._watched = [
             (route, OPERATIONS[route.endpoint])
-            for route in routes
+            for route in (*routes.router.routes, *parts.router.routes)
             if isinstance(route, Route) and route.endpoint in OPERATIONS
         ]
 
