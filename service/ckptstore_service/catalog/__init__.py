@@ -181,6 +181,9 @@ class Catalog:
     def abandoned_parts(self, older_than: datetime) -> list[tuple[int, str, int, list[PartRecord]]]:
         return parts.abandoned(self._db, older_than)
 
+    def claim_part(self, part_id: int, abandoned_before: datetime | None = None) -> bool:
+        return parts.claim_part(self._db, part_id, abandoned_before)
+
     def drop_checkpoint(self, checkpoint_id: int) -> None:
         parts.drop_checkpoint(self._db, checkpoint_id)
 

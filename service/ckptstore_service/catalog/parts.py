@@ -52,6 +52,7 @@ __all__ = [
     "PartRecord",
     "abandoned",
     "begin_part",
+    "claim_part",
     "commit_parts",
     "committed_parts",
     "drop_checkpoint",
@@ -206,11 +207,55 @@ def drop_part(db: Database, part_id: int) -> None:
         s.execute(delete(Part).where(Part.id == part_id))
 
 
+def claim_part(db: Database, part_id: int, abandoned_before: datetime | None = None) -> bool:
+    """Whether the sweep may collect part ``part_id``, looked at again now (it was listed
+    earlier); the caller holds the part's lock, so no upload changes the part meanwhile.
+
+    A ``writing`` part may go: it has no writer. With ``abandoned_before``, so may any part
+    of a checkpoint still uncommitted that began before then: the part is made ``writing``
+    again in the same transaction, so no commit takes it any more (one that comes later
+    finds it unfinished, then missing). False, changing nothing, for a part gone, finished
+    meanwhile (without ``abandoned_before``), or of a checkpoint committed meanwhile.
+
+    The part's row is written first (SQLite: the write lock from the start) and the
+    checkpoint's row is read FOR SHARE (PostgreSQL: a commit holding it FOR UPDATE ends
+    first, and none begins before this transaction ends).
+    """
+    with db.session() as s:
+        touched = s.execute(
+            update(Part)
+            .where(Part.id == part_id)
+            .values(status=Part.status)
+            .returning(Part.status, Part.checkpoint_id)
+        ).first()
+        if touched is None:
+            return False
+        status, checkpoint_id = touched
+        if abandoned_before is None:
+            return bool(status == WRITING)
+        checkpoint = s.execute(
+            select(Checkpoint.status, Checkpoint.created_at)
+            .where(Checkpoint.id == checkpoint_id)
+            .with_for_update(read=True)
+        ).first()
+        if checkpoint is None or checkpoint.status != PARTS:
+            return False
+        if utc(checkpoint.created_at) >= abandoned_before:
+            return False
+        s.execute(update(Part).where(Part.id == part_id).values(status=WRITING))
+        return True
+
+
 def drop_checkpoint(db: Database, checkpoint_id: int) -> None:
-    """Forget an abandoned ``parts`` checkpoint that has no parts left."""
+    """Forget an abandoned ``parts`` checkpoint, if it has no parts left (an upload may have
+    begun one since it was found abandoned)."""
     with db.session() as s:
         s.execute(
-            delete(Checkpoint).where(Checkpoint.id == checkpoint_id, Checkpoint.status == PARTS)
+            delete(Checkpoint).where(
+                Checkpoint.id == checkpoint_id,
+                Checkpoint.status == PARTS,
+                ~select(Part.id).where(Part.checkpoint_id == checkpoint_id).exists(),
+            )
         )
 
 

@@ -115,6 +115,11 @@ def collect_parts(catalog: Catalog, store: BlobStore, ttl_s: float) -> list[Part
     whose parts began more than ``ttl_s`` ago and that no commit made visible is abandoned
     (a rank died, or the coordinator never called finish): each part whose lock is free goes
     the same way, then the checkpoint's row once it has no part left.
+
+    What was listed is looked at again under the locks before anything goes
+    (:meth:`Catalog.claim_part`): a part may have finished since, and an abandoned
+    checkpoint is collected under its run's lock, which every commit holds, so it cannot be
+    committed meanwhile (a commit after the sweep finds its parts gone).
     """
     gone = [
         part
@@ -123,21 +128,31 @@ def collect_parts(catalog: Catalog, store: BlobStore, ttl_s: float) -> list[Part
     ]
     older_than = datetime.now(UTC) - timedelta(seconds=ttl_s)
     for checkpoint_id, run, step, parts in catalog.abandoned_parts(older_than):
-        went = [p for p in parts if _collect_part(catalog, store, p, run, step)]
-        gone += went
-        if len(went) == len(parts):
-            catalog.drop_checkpoint(checkpoint_id)
+        with catalog.run_lock(run, blocking=False) as held:
+            if not held:  # a commit or a save of the run: the next sweep looks again
+                continue
+            went = [p for p in parts if _collect_part(catalog, store, p, run, step, older_than)]
+            gone += went
+            if len(went) == len(parts):
+                catalog.drop_checkpoint(checkpoint_id)
     if gone:
         log.info("collected %d part(s) of checkpoints never committed", len(gone))
     return gone
 
 
 def _collect_part(
-    catalog: Catalog, store: BlobStore, part: PartRecord, run: str, step: int
+    catalog: Catalog,
+    store: BlobStore,
+    part: PartRecord,
+    run: str,
+    step: int,
+    abandoned_before: datetime | None = None,
 ) -> bool:
-    """Delete ``part`` if nobody writes it; whether it went."""
+    """Delete ``part`` if nobody writes it and it is still the sweep's to collect (still
+    ``writing``, or of a checkpoint begun before ``abandoned_before`` and uncommitted);
+    whether it went."""
     with catalog.part_lock(run, step, part.name, blocking=False) as held:
-        if not held:
+        if not held or not catalog.claim_part(part.id, abandoned_before):
             return False
         try:
             delete_blob(store, part.blob_key)
