@@ -31,7 +31,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -44,12 +44,18 @@ from ckptstore_core.errors import (
     CkptStoreError,
     CorruptData,
     InvalidStream,
+    NotFound,
     ServiceUnavailable,
     StorageUnavailable,
     error_from_code,
 )
 from ckptstore_core.names import check_run_name
-from ckptstore_core.records import CheckpointInfo, RunInfo
+from ckptstore_core.records import (
+    USER_METADATA_KEY,
+    CheckpointInfo,
+    RunInfo,
+    encode_user_metadata,
+)
 from ckptstore_core.wire import FORMAT, Header, StreamParser, encode_header
 
 if TYPE_CHECKING:
@@ -131,6 +137,11 @@ class CheckpointClient:
     """Client of a ckptstore service at ``url`` (e.g. ``http://127.0.0.1:8000``); without
     one, at ``CKPTSTORE_URL`` from the environment, else :data:`DEFAULT_URL`.
 
+    ``token`` is the bearer token sent with every request (default: ``CKPTSTORE_TOKEN`` from
+    the environment; none if unset); a service that requires one answers
+    :class:`~ckptstore_core.errors.Unauthorized` (401) or
+    :class:`~ckptstore_core.errors.Forbidden` (403), never retried (docs/security.md).
+
     ``retries`` bounds the attempts after the first on connection errors and 503s (then
     :class:`~ckptstore_core.errors.ServiceUnavailable` or the service's 503 error is raised);
     ``timeout`` applies to each socket operation, not to a whole transfer. ``progress=True``
@@ -148,10 +159,15 @@ class CheckpointClient:
         retries: int = 5,
         backoff: float = 0.5,
         progress: bool = False,
+        token: str | None = None,
     ) -> None:
         if url is None:
             url = os.environ.get("CKPTSTORE_URL") or DEFAULT_URL
+        if token is None:
+            token = os.environ.get("CKPTSTORE_TOKEN") or None
         self.url = url.rstrip("/")
+        # the header, not the token, is kept: no attribute shows the secret by its name
+        self._authorization = f"Bearer {token.strip()}" if token else None
         self.retries = retries
         self.backoff = backoff
         self.progress = progress
@@ -184,16 +200,35 @@ class CheckpointClient:
     # -- public API -------------------------------------------------------------------------
 
     def save(
-        self, run: str, step: int, state: object, *, progress: bool | None = None
+        self,
+        run: str,
+        step: int,
+        state: object,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        progress: bool | None = None,
     ) -> CheckpointInfo:
-        """Store ``state`` (a nested state dict) as checkpoint ``step`` of ``run``."""
+        """Store ``state`` (a nested state dict) as checkpoint ``step`` of ``run``.
+
+        ``metadata``: a small JSON object kept with the checkpoint and returned in its
+        listings (``CheckpointInfo.metadata``), e.g. ``{"eval_loss": 0.31}``; at most 64 KiB
+        of JSON, no NaN (``ValueError``/``TypeError`` before anything is sent). Part of the
+        checkpoint: a retry with other metadata is a conflict.
+        """
         check_run_name(run)  # before the state is flattened
+        text = None if metadata is None else encode_user_metadata(metadata)
         from ckptstore.state import flatten
 
-        return self._upload(run, step, flatten(state), progress)
+        return self._upload(run, step, flatten(state), progress, text)
 
     def save_async(
-        self, run: str, step: int, state: object, *, progress: bool | None = None
+        self,
+        run: str,
+        step: int,
+        state: object,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        progress: bool | None = None,
     ) -> Future[CheckpointInfo]:
         """Start saving ``state`` as checkpoint ``step`` of ``run``; return once it is copied.
 
@@ -209,7 +244,8 @@ class CheckpointClient:
         ``KeyboardInterrupt`` while waiting or copying): a state that cannot be flattened, a
         service still down after ``retries`` (:class:`~ckptstore_core.errors.ServiceUnavailable`),
         a conflicting step -- each is set on the returned future and logged as a warning on
-        the ``ckptstore`` logger. The buffers hold one host copy of the state's tensors until
+        the ``ckptstore`` logger (metadata that is no small JSON object too). ``metadata``:
+        as for :meth:`save`. The buffers hold one host copy of the state's tensors until
         :meth:`close`. The future's done-callbacks run on the upload thread: calling
         ``save_async``, :meth:`wait` or :meth:`close` from one raises ``RuntimeError``.
 
@@ -226,7 +262,7 @@ class CheckpointClient:
                 if self._saver is None:
                     self._saver = AsyncSaver(self._upload)
                 saver = self._saver
-        return saver.submit(run, step, state, progress)
+        return saver.submit(run, step, state, progress, metadata)
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Wait for the last :meth:`save_async` to finish and return its checkpoint.
@@ -287,18 +323,39 @@ class CheckpointClient:
         obj = self._retry(lambda: self._get_json("/v1/runs"))
         return [RunInfo.from_json(r) for r in obj["runs"]]
 
+    def delete(self, run: str, step: int) -> None:
+        """Delete checkpoint ``step`` of ``run``: every other checkpoint keeps loading to the
+        same bytes (those that rested on it are re-based first; the run's saves wait for
+        that). Raises CheckpointNotFound / RunNotFound if there is none, RunBusy (409)
+        while a checkpoint of the run is being written in parts. A retry after a lost
+        answer that finds the checkpoint gone is taken as done (docs/lifecycle.md)."""
+        self._delete(self._path(run, step))
+
+    def delete_run(self, run: str) -> None:
+        """Delete every checkpoint of ``run``; a later save under that name starts a fresh
+        chain. Raises RunNotFound if it has none (a retry as :meth:`delete`)."""
+        self._delete(f"/v1/runs/{quote(check_run_name(run), safe='')}")
+
     # -- plumbing ---------------------------------------------------------------------------
 
     def _upload(
-        self, run: str, step: int, flat: FlatState, progress: bool | None
+        self,
+        run: str,
+        step: int,
+        flat: FlatState,
+        progress: bool | None,
+        metadata: str | None = None,
     ) -> CheckpointInfo:
-        """The one save path (``save`` and ``save_async``): stream the flattened state,
-        retrying as configured."""
+        """The one save path (``save`` and ``save_async``): stream the flattened state with
+        the user's ``metadata`` (encoded JSON), retrying as configured."""
         from ckptstore.state import dtype_to_wire, tensor_bytes, upload_order
 
         ordered = upload_order(flat.tensors)
         specs = [(name, dtype_to_wire(t.dtype), tuple(t.shape)) for name, t in ordered]
-        prefix, header = encode_header(specs, {"format": FORMAT, "skeleton": flat.skeleton})
+        stored = {"format": FORMAT, "skeleton": flat.skeleton}
+        if metadata is not None:
+            stored[USER_METADATA_KEY] = metadata
+        prefix, header = encode_header(specs, stored)
         show = self.progress if progress is None else progress
 
         def body() -> Iterator[memoryview | bytes]:
@@ -357,6 +414,8 @@ class CheckpointClient:
         conn = self._pool.get()
         try:
             conn.putrequest(method, self._pool.base + path, skip_accept_encoding=True)
+            if self._authorization is not None:
+                conn.putheader("Authorization", self._authorization)
             if body is not None:
                 conn.putheader("Content-Type", content_type)
                 conn.putheader("Content-Length", str(length))
@@ -397,6 +456,25 @@ class CheckpointClient:
         self._done(conn, response)
         _raise_for(response.status, data)
         return json.loads(data)
+
+    def _delete(self, path: str) -> None:
+        """DELETE ``path``, retried as configured; a 404 after a first attempt that may
+        have deleted it (its answer lost) is success."""
+        tries = 0
+
+        def attempt() -> None:
+            nonlocal tries
+            tries += 1
+            conn, response = self._request("DELETE", path)
+            data = response.read()
+            self._done(conn, response)
+            try:
+                _raise_for(response.status, data)
+            except NotFound:
+                if tries == 1:
+                    raise
+
+        self._retry(attempt)
 
     def _get_json(self, path: str) -> Any:
         conn, response = self._request("GET", path)

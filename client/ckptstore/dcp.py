@@ -7,9 +7,10 @@
     dcp.load(state, storage_reader=CkptStoreReader(URL, "run"))         # step="latest"
 
 How a checkpoint is stored
-    Every rank uploads its own write items as one *part* of the checkpoint (``rank-{i}``,
-    ``i`` its rank in the process group), streamed tensor by tensor from its shards: no rank
-    holds more than its own items. A shard is cut along dim 0 into pieces at a grid of the
+    Every rank uploads its own write items as one *part* of the checkpoint
+    (:func:`part_name`: ``rank-{i}.{save}``, ``i`` its rank in the process group, ``save``
+    a token of this save), streamed tensor by tensor from its shards: no rank holds more
+    than its own items. A shard is cut along dim 0 into pieces at a grid of the
     global tensor (cells of ``grid_bytes``, default 4 MiB; :func:`grid_cuts`), and a piece
     is the tensor ``{fqn}@{offsets}`` (its global offsets joined by ``,``;
     ``"model.w@1024,0"``). So the same piece of the next save has the same name and shape
@@ -104,6 +105,7 @@ from ckptstore.state import (
 from ckptstore_core.dcp_layout import FULL, LAYOUT_KEY, METADATA_KEY
 from ckptstore_core.errors import CorruptData, InvalidRequest
 from ckptstore_core.names import check_run_name
+from ckptstore_core.records import USER_METADATA_KEY, encode_user_metadata
 from ckptstore_core.wire import TensorSpec
 
 __all__ = [
@@ -115,6 +117,7 @@ __all__ = [
     "metadata_from_json",
     "metadata_to_json",
     "parse_checkpoint_id",
+    "part_name",
     "shard_name",
 ]
 
@@ -133,6 +136,15 @@ def shard_name(fqn: str, offsets: Sequence[int]) -> str:
     """The stored tensor of a shard of ``fqn`` starting at ``offsets`` (global element
     coordinates): ``"{fqn}@{o0,o1,...}"``. A scalar's is ``"{fqn}@"``."""
     return f"{fqn}@{','.join(str(int(o)) for o in offsets)}"
+
+
+def part_name(rank: int, save_id: str) -> str:
+    """The part rank ``rank`` uploads in the save ``save_id`` (the coordinator's
+    :attr:`CkptStoreWriter.save_id`, new at each save): ``rank-{rank}.{token}``. Each save
+    names its parts anew, so the parts an earlier attempt at the same step left (a rank
+    was killed mid-save; the job restarted, maybe with another world size) never clash with
+    this save's: its commit names its own, and the service deletes the others."""
+    return f"rank-{rank}.{save_id.replace('-', '')[:12]}"
 
 
 def bytes_name(fqn: str) -> str:
@@ -460,6 +472,8 @@ class CkptStoreWriter(StorageWriter, AsyncStager):
     ``grid_bytes`` sets the grid pieces are cut at (:func:`grid_cuts`; ``None``: one piece
     per shard). Below 64 KiB the service stores pieces whole, never as deltas; smaller
     cells keep more pieces' names across world sizes, at one catalog row per piece.
+    ``metadata``: the checkpoint's user metadata, as for :meth:`CheckpointClient.save`
+    (``{"eval_loss": 0.31}``); the coordinator's commit carries it.
 
     Every rank uploads its items as one part; the coordinator commits them once. A step
     that already exists is refused (:class:`~ckptstore.CheckpointExists`), unless it is the
@@ -481,10 +495,13 @@ class CkptStoreWriter(StorageWriter, AsyncStager):
         step: int | None = None,
         *,
         grid_bytes: int | None = GRID_BYTES,
+        metadata: Mapping[str, Any] | None = None,
         **client_options: Any,
     ) -> None:
         super().__init__()
         self.url = url
+        # checked here, in the training process, not at the commit
+        self.metadata = None if metadata is None else encode_user_metadata(metadata)
         self.run = check_run_name(run)
         self.step = None if step is None else int(parse_checkpoint_id(step)[1])
         if grid_bytes is not None and grid_bytes < 1:
@@ -606,7 +623,8 @@ class CkptStoreWriter(StorageWriter, AsyncStager):
             if plan.usable:
                 local = plan.storage_data
                 shards = local.shards if isinstance(local, _Pieces) else {}
-                plan = dataclasses.replace(plan, storage_data=_PartPlan(f"rank-{i}", shards))
+                part = part_name(i, self.save_id)
+                plan = dataclasses.replace(plan, storage_data=_PartPlan(part, shards))
             out.append(plan)
         return out
 
@@ -618,7 +636,7 @@ class CkptStoreWriter(StorageWriter, AsyncStager):
         if isinstance(storage, _PartPlan):
             part, shards = storage.part, storage.shards
         else:
-            part, shards = f"rank-{self.rank}", {}
+            part, shards = part_name(self.rank, self.save_id), {}
         results = self._upload(part, plan.items, shards, planner) if plan.items else []
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -688,9 +706,12 @@ class CkptStoreWriter(StorageWriter, AsyncStager):
         names = list(dict.fromkeys(info.part for info in storage.values()))
         with self._client() as client:
             if not names:  # nothing to write anywhere: the checkpoint is one empty part
-                names = [f"rank-{self.rank}"]
+                names = [part_name(self.rank, self.save_id)]
                 parts.put_part(client, self.run, self.step, names[0], [], lambda: iter(()))
-            parts.commit(client, self.run, self.step, names, {METADATA_KEY: text})
+            stored = {METADATA_KEY: text}
+            if self.metadata is not None:
+                stored[USER_METADATA_KEY] = self.metadata
+            parts.commit(client, self.run, self.step, names, stored)
 
 
 def _is_sharded_tensor(node: object) -> bool:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from typing import Any
@@ -40,13 +40,13 @@ import numpy as np
 import torch
 
 from ckptstore.state import FlatState, flatten
-from ckptstore_core.records import CheckpointInfo
+from ckptstore_core.records import CheckpointInfo, encode_user_metadata
 
 __all__ = ["AsyncSaver", "StagingBuffers"]
 
 logger = logging.getLogger("ckptstore")
 
-Upload = Callable[[str, int, FlatState, bool | None], CheckpointInfo]
+Upload = Callable[[str, int, FlatState, bool | None, str | None], CheckpointInfo]
 
 
 # CPU copies are split over up to this many threads (the caller's included) once a state
@@ -194,7 +194,7 @@ def _split(pairs: list[tuple[_Bytes, _Bytes]], n: int) -> list[list[tuple[_Bytes
 class AsyncSaver:
     """One client's background saves: stage in the caller's thread, upload in one worker.
 
-    ``upload(run, step, flat, progress)`` is the client's synchronous save of an already
+    ``upload(run, step, flat, progress, metadata)`` is the client's synchronous save of an already
     flattened state. At most one save is in flight: :meth:`submit` first waits for the
     previous one (whatever its outcome) and only then overwrites the staging buffers.
     """
@@ -217,7 +217,12 @@ class AsyncSaver:
             )
 
     def submit(
-        self, run: str, step: int, state: object, progress: bool | None
+        self,
+        run: str,
+        step: int,
+        state: object,
+        progress: bool | None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> Future[CheckpointInfo]:
         """Stage ``state`` and start its upload; returns once the state is copied."""
         self._refuse_on_worker("save_async")
@@ -225,6 +230,7 @@ class AsyncSaver:
             if self._last is not None:
                 wait_for([self._last])
             try:
+                text = None if metadata is None else encode_user_metadata(metadata)
                 flat = self._staging.stage(flatten(state))
             except Exception as exc:
                 # an unflattenable state, a failed device copy: the future says so, the
@@ -238,14 +244,16 @@ class AsyncSaver:
                 # a ThreadPoolExecutor's workers are joined at interpreter exit, so an upload
                 # in flight then is finished, not cut off
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-save")
-            future = self._executor.submit(self._run, run, step, flat, progress)
+            future = self._executor.submit(self._run, run, step, flat, progress, text)
             self._last = future
             return future
 
-    def _run(self, run: str, step: int, flat: FlatState, progress: bool | None) -> CheckpointInfo:
+    def _run(
+        self, run: str, step: int, flat: FlatState, progress: bool | None, metadata: str | None
+    ) -> CheckpointInfo:
         self._worker = threading.get_ident()
         try:
-            return self._upload(run, step, flat, progress)
+            return self._upload(run, step, flat, progress, metadata)
         except Exception as exc:
             logger.warning("ckptstore: save_async of %s/%s failed: %s", run, step, exc)
             raise

@@ -7,11 +7,87 @@ with the fields only the service needs (ids, blob keys), the API serves these ve
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Self
 
-__all__ = ["CheckpointInfo", "RunInfo"]
+__all__ = [
+    "MAX_USER_METADATA_BYTES",
+    "USER_METADATA_KEY",
+    "CheckpointInfo",
+    "RunInfo",
+    "decode_user_metadata",
+    "encode_user_metadata",
+    "user_metadata",
+]
+
+#: The stored metadata key (a save's safetensors ``__metadata__``, a commit's metadata) that
+#: holds a checkpoint's user metadata: a JSON object (``{"eval_loss": 0.31}``).
+USER_METADATA_KEY = "ckptstore.metadata"
+#: The most bytes of JSON a checkpoint's user metadata may take: it is listed with it.
+MAX_USER_METADATA_BYTES = 64 << 10
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(value: Any) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{value} is not JSON")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"key {k!r} is not a string")
+            _finite(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _finite(v)
+
+
+def encode_user_metadata(metadata: Mapping[str, Any]) -> str:
+    """User metadata as the compact JSON that travels and is stored; ``ValueError`` (or
+    ``TypeError`` for a value JSON has no form for) unless it is a mapping of string keys to
+    JSON values, NaN and infinities excluded, of at most :data:`MAX_USER_METADATA_BYTES`."""
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a mapping, not {type(metadata).__name__}")
+    _finite(dict(metadata))
+    text = json.dumps(dict(metadata), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    if len(text.encode()) > MAX_USER_METADATA_BYTES:
+        raise ValueError(
+            f"metadata takes {len(text.encode())} bytes of JSON, more than the "
+            f"{MAX_USER_METADATA_BYTES} allowed: keep it to small values (metrics, tags)"
+        )
+    return text
+
+
+def decode_user_metadata(text: str) -> dict[str, Any]:
+    """The user metadata stored as ``text``; ``ValueError`` unless it is what
+    :func:`encode_user_metadata` accepts."""
+    if len(text.encode()) > MAX_USER_METADATA_BYTES:
+        raise ValueError(f"metadata over {MAX_USER_METADATA_BYTES} bytes of JSON")
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"metadata is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("metadata must be a JSON object")
+    return value
+
+
+def user_metadata(stored: Mapping[str, str]) -> dict[str, Any]:
+    """The user metadata in a checkpoint's stored metadata (``{}`` if it has none; what a
+    save or commit let in was checked then)."""
+    text = stored.get(USER_METADATA_KEY)
+    if text is None:
+        return {}
+    try:
+        return decode_user_metadata(text)
+    except ValueError:
+        return {}
 
 
 class _Record:
@@ -51,6 +127,7 @@ class CheckpointInfo(_Record):
     tensors: int
     created: datetime
     parts: int = 1  # how many writers (ranks) it was written by, committed once
+    metadata: dict[str, Any] = field(default_factory=dict)  # the user's, given to the save
 
 
 @dataclass(frozen=True, slots=True)

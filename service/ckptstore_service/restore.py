@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ckptstore_core.errors import CorruptData, InvalidRequest
+from ckptstore_core.errors import CheckpointNotFound, CorruptData, InvalidRequest
 from ckptstore_core.wire import encode_header
 from ckptstore_service.assemble import full_view
 from ckptstore_service.cache_policy import CachePolicy
@@ -70,16 +70,18 @@ class Loader:
         """
         info = self._catalog.get(run, step)
         tensors = self._catalog.tensors(info.id)
-        view = full_view(info.metadata, tensors, prefix) if names is None else None
+        if len(tensors) != info.tensors:  # deleted between the two reads: its rows went
+            raise CheckpointNotFound(f"run {run!r} has no checkpoint at step {info.step}")
+        view = full_view(info.stored_metadata, tensors, prefix) if names is None else None
         if view is not None:
             return self._start(
                 info,
                 view.specs,
-                view.metadata(info.metadata),
+                view.metadata(info.stored_metadata),
                 lambda stats: view.stream(self._data(info, view.stored, stats, fill=False)),
             )
         tensors = _selected(info, tensors, prefix, names)
-        metadata = dict(info.metadata)
+        metadata = dict(info.stored_metadata)
         metadata[CHECKSUMS_KEY] = json.dumps({t.name: t.checksum.hex() for t in tensors})
         whole = not prefix and names is None
         return self._start(
@@ -129,7 +131,7 @@ class Loader:
             return _verified(tensors, _from_cache(fd, tensors))
         stats.source = "storage"
         data = self._source.stream(info, tensors, stats)
-        return self._cache.fill(info, data) if fill else data
+        return self._cache.fill(info, data) if fill else self._cache.warm_after(info, data)
 
 
 def _selected(

@@ -31,6 +31,7 @@ from starlette.testclient import TestClient
 
 from ckptstore import CheckpointClient
 from ckptstore import parts as client_parts
+from ckptstore_core.records import USER_METADATA_KEY, encode_user_metadata
 from ckptstore_service.api.dashboard import MAX_CHART_POINTS, bytes_chart, human_bytes, ratio
 from ckptstore_service.app import create_app
 from ckptstore_service.catalog import CheckpointRecord
@@ -63,9 +64,8 @@ def save_in_parts(client: CheckpointClient, step: int, eval_loss: float) -> None
         data = np.full((64, 32), rank + step / 10, dtype=np.float32).tobytes()
         specs = [(f"layer{rank}.weight", "F32", (64, 32))]
         client_parts.put_part(client, PARTS_RUN, step, name, specs, [data].__iter__)
-    client_parts.commit(
-        client, PARTS_RUN, step, names, {"eval_loss": f"{eval_loss:.4f}", "note": HOSTILE}
-    )
+    user = encode_user_metadata({"eval_loss": eval_loss, "note": HOSTILE})
+    client_parts.commit(client, PARTS_RUN, step, names, {USER_METADATA_KEY: user})
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_metadata_is_shown_escaped(http: httpx.Client) -> None:
     page = get_html(http, f"/ui/runs/{PARTS_RUN}")
     assert HOSTILE not in page
     assert html.escape(HOSTILE) in page  # shown as text: &amp; stays visible as &amp;
-    assert '<span class="val">1.8750</span>' in page
+    assert '<span class="val">1.875</span>' in page
 
 
 @pytest.mark.parametrize("name", ["<b>x</b>&y", "team/exp1", "a" * 129])
@@ -167,7 +167,7 @@ def chain_of(n: int, stored: int = 400) -> list[CheckpointRecord]:
             id=i + 1,
             since_keyframe=i,
             blob_key=f"k{i}",
-            metadata={},
+            stored_metadata={},
         )
         for i in range(n)
     ]
@@ -289,5 +289,5 @@ def test_the_browser_shows_the_api_figures(
     page.goto(f"{http.base_url}/ui/runs/{PARTS_RUN}")
     row = page.locator('#chain tbody tr[data-step="200"]')
     assert cells(row)[4] == "2"  # parts
-    assert row.locator('li[data-key="eval_loss"] .val').inner_text() == "1.8750"
+    assert row.locator('li[data-key="eval_loss"] .val').inner_text() == "1.875"
     assert row.locator('li[data-key="note"] .val').inner_text() == HOSTILE

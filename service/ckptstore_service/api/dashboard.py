@@ -16,8 +16,10 @@ The pages are left out of the OpenAPI document: they are not part of the API.
 from __future__ import annotations
 
 import html
+import json
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from typing import Any
 from urllib.parse import quote
 
 from fastapi import APIRouter, Request
@@ -132,15 +134,17 @@ def _run_url(root: str, run: str) -> str:
     return f"{root}/ui/runs/{quote(run, safe='')}"
 
 
-def _metadata(meta: dict[str, str]) -> str:
-    """The checkpoint's metadata: short values shown, long ones (a skeleton) by size."""
+def _metadata(meta: dict[str, Any]) -> str:
+    """The checkpoint's user metadata (``save(..., metadata=...)``): short values shown as
+    JSON (strings as they are), long ones by size."""
     items = []
     for key in sorted(meta):
         value = meta[key]
-        if len(value) <= _SHOWN_VALUE and "\n" not in value:
-            shown = f'=<span class="val">{_e(value)}</span>'
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        if len(text) <= _SHOWN_VALUE and "\n" not in text:
+            shown = f'=<span class="val">{_e(text)}</span>'
         else:
-            shown = f' <span class="dim">({len(value):,} chars)</span>'
+            shown = f' <span class="dim">({len(text):,} chars)</span>'
         items.append(f'<li data-key="{_e(key)}"><code>{_e(key)}</code>{shown}</li>')
     return f'<ul class="meta">{"".join(items)}</ul>' if items else ""
 

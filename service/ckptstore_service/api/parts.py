@@ -124,7 +124,7 @@ async def checkpoint_info(
         tensors = rt.catalog.tensors(info.id)
         return {
             "checkpoint": CheckpointInfo.of(info).to_json(),
-            "metadata": info.metadata,
+            "metadata": info.stored_metadata,
             "tensors": [
                 {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in tensors
             ],

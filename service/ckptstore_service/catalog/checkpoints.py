@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import aliased
 
 from ckptstore_core.errors import CheckpointNotFound, RunNotFound
-from ckptstore_core.records import RunInfo
+from ckptstore_core.records import RunInfo, user_metadata
 from ckptstore_service.catalog.db import Database, utc
 from ckptstore_service.catalog.models import COMMITTED, Checkpoint, Run
 from ckptstore_service.catalog.records import CheckpointRecord
@@ -57,6 +57,7 @@ def _info_query() -> Any:
 
 def _info(row: Any) -> CheckpointRecord:
     ck, run, parent_step = row
+    stored = json.loads(ck.metadata_json)
     return CheckpointRecord(
         id=ck.id,
         run=run,
@@ -69,9 +70,10 @@ def _info(row: Any) -> CheckpointRecord:
         stored_bytes=ck.stored_bytes,
         tensors=ck.n_tensors,
         blob_key=ck.blob_key,
-        metadata=json.loads(ck.metadata_json),
+        stored_metadata=stored,
         created=utc(ck.created_at),
         parts=ck.n_parts,
+        metadata=user_metadata(stored),
     )
 
 

@@ -30,7 +30,10 @@ class CheckpointRecord(CheckpointInfo):
     id: int
     since_keyframe: int
     blob_key: str
-    metadata: dict[str, str]
+    # what the save's safetensors header or the commit carried (the skeleton, DCP's
+    # metadata, the user's under USER_METADATA_KEY: the listing's ``metadata``), served
+    # back with its tensors
+    stored_metadata: dict[str, str]
 
 
 @dataclass(frozen=True, slots=True)

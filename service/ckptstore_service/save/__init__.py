@@ -70,7 +70,7 @@ class Saver:
             if existing is not None:
                 conflict = f"run {run!r} already has a different checkpoint at step {step}"
                 stored = self._catalog.tensors(existing.id)
-                same_content(stored, existing.metadata, incoming, conflict)
+                same_content(stored, existing.stored_metadata, incoming, conflict)
                 return existing, False
             self._store_new(run, step, incoming)
         record = self._catalog.get(run, step)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import xxhash
 
 from ckptstore_core.errors import CheckpointExists, InvalidStream
+from ckptstore_core.records import USER_METADATA_KEY, decode_user_metadata
 from ckptstore_core.wire import FORMAT, Header, StreamParser, TensorPiece
 from ckptstore_service.catalog import TensorInfo
 
@@ -81,6 +82,11 @@ def check_metadata(header: Header) -> None:
         if "\x00" in t.name:
             raise InvalidStream(f"tensor name {t.name!r} holds NUL, which PostgreSQL refuses")
     meta = header.metadata
+    if USER_METADATA_KEY in meta:
+        try:
+            decode_user_metadata(meta[USER_METADATA_KEY])
+        except ValueError as exc:
+            raise InvalidStream(f"{USER_METADATA_KEY!r}: {exc}") from None
     fmt = meta.get("format", "")
     # other writers' formats ({"format": "pt"} from transformers) are plain safetensors files
     if fmt != FORMAT and (fmt.startswith("ckptstore/") or "skeleton" in meta):

@@ -3,9 +3,11 @@ committed once.
 
 A part goes through the same stages as a single writer's save (header, split, plan,
 encode, upload transaction), with two differences: no run lock is held while it streams
-(the ranks upload at the same time, through any replica), and its bases are decoded from
-storage (a part's parent is no file of the base cache: it may itself be made of parts
-written through other replicas). Each chunk is diffed against the chunk at the same place of
+(the ranks upload at the same time, through any replica), and it writes no base-cache file
+(no writer holds the whole checkpoint). Its bases come from the parent's cache file when
+this replica holds it (the replica that committed the parent decodes it into the cache in
+the background: :mod:`ckptstore_service.cache_policy`), else they are decoded from
+storage. Each chunk is diffed against the chunk at the same place of
 the tensor of the same name in the run's previous committed checkpoint, so a distributed
 run that names its shards the same way at each save pays deltas, like a single writer.
 
@@ -16,20 +18,23 @@ that every named part is done, and makes the checkpoint visible in one transacti
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from ckptstore_core.dcp_layout import METADATA_KEY
 from ckptstore_core.errors import CheckpointExists, InvalidRequest
+from ckptstore_core.records import USER_METADATA_KEY, decode_user_metadata
 from ckptstore_service.assemble import layout_view
+from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog, CheckpointRecord, PartRecord
 from ckptstore_service.chains import ChainDecoder
 from ckptstore_service.maintenance.garbage import delete_blob
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.names import check_part_name
-from ckptstore_service.save.encode import StoredBases
+from ckptstore_service.save.encode import BaseReader, FileBases, StoredBases
 from ckptstore_service.save.header import Incoming, open_body, same_content
 from ckptstore_service.save.store import ChunkStore, planner_for
 from ckptstore_service.save.upload import PartTransaction
@@ -48,6 +53,7 @@ class PartSaver:
         self,
         catalog: Catalog,
         store: BlobStore,
+        cache: CachePolicy,
         chunks: ChunkStore,
         settings: Settings,
         scratch: os.PathLike[str],
@@ -56,6 +62,7 @@ class PartSaver:
     ) -> None:
         self._catalog = catalog
         self._store = store
+        self._cache = cache
         self._chunks = chunks
         self._settings = settings
         self._scratch = scratch
@@ -97,13 +104,10 @@ class PartSaver:
         header = incoming.header
         parent = self._catalog.parent_of(run, step)
         planner, _ = planner_for(self._catalog, self._settings, header, parent)
-        bases = None
-        if parent is not None:
-            _, closure = self._catalog.chunk_tree(parent.id)
-            bases = StoredBases(ChainDecoder(self._store, closure, self._keep_budget))
         # the raw bytes go to an unnamed scratch file: a bf16 copy's prediction reads its
         # fp32 master there (no part is ever a base-cache file)
         with (
+            self._bases(run, parent) as bases,
             tempfile.TemporaryFile(dir=self._scratch) as raw,
             PartTransaction.begin(self._catalog, self._store, run, step, checkpoint_id, name) as tx,
         ):
@@ -120,6 +124,20 @@ class PartSaver:
             "saved part %s of %s/%d: %d -> %d bytes", name, run, step, header.data_len, stored_bytes
         )
 
+    @contextlib.contextmanager
+    def _bases(self, run: str, parent: CheckpointRecord | None) -> Iterator[BaseReader | None]:
+        """Where the part's bases are read: the parent's cache file if this replica holds
+        it, else storage (None: a run's first checkpoint has no bases)."""
+        if parent is None:
+            yield None
+            return
+        with self._cache.part_base(run, parent) as fd:
+            if fd is not None:
+                yield FileBases(fd)
+                return
+            _, closure = self._catalog.chunk_tree(parent.id)
+            yield StoredBases(ChainDecoder(self._store, closure, self._keep_budget))
+
     def commit(
         self, run: str, step: int, names: Sequence[str], metadata: Mapping[str, str]
     ) -> tuple[CheckpointRecord, bool]:
@@ -134,6 +152,11 @@ class PartSaver:
                 if self._catalog.committed_parts(existing.id) == list(names):
                     return existing, False
                 raise CheckpointExists(f"run {run!r} already has a checkpoint at step {step}")
+            if USER_METADATA_KEY in metadata:
+                try:
+                    decode_user_metadata(metadata[USER_METADATA_KEY])
+                except ValueError as exc:
+                    raise InvalidRequest(f"{USER_METADATA_KEY!r}: {exc}") from None
             if METADATA_KEY in metadata:
                 self._check_layout(run, step, names, metadata[METADATA_KEY])
             parent = self._catalog.parent_of(run, step)
@@ -153,6 +176,7 @@ class PartSaver:
             self.collect(part)
         record = self._catalog.get(run, step)
         self._metrics.committed(record)
+        self._cache.warm(record)  # the new latest: its loads and its successor's parts
         return record, True
 
     def _check_layout(self, run: str, step: int, names: Sequence[str], text: str) -> None:
