@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +60,18 @@ class Tiny(nn.Module):
 
 
 def launch(fn: Any, world: int, *args: Any) -> None:
+    context = start(fn, world, *args)
+    while not context.join():
+        pass
+
+
+def start(fn: Any, world: int, *args: Any) -> mp.ProcessContext:
+    """``world`` ranks of ``fn`` forked and running; the caller joins them (or kills some:
+    ``context.processes[rank].pid``)."""
     port = free_port()
-    mp.start_processes(fn, args=(world, port, *args), nprocs=world, start_method="fork")
+    return mp.start_processes(
+        fn, args=(world, port, *args), nprocs=world, join=False, start_method="fork"
+    )
 
 
 def replica(url: str | list[str], rank: int) -> str:
@@ -66,11 +79,18 @@ def replica(url: str | list[str], rank: int) -> str:
     return url if isinstance(url, str) else url[rank % len(url)]
 
 
-def init(rank: int, world: int, port: int) -> None:
+def init(rank: int, world: int, port: int, timeout_s: float | None = None) -> None:
+    """Join the gloo group; ``timeout_s``: how long a collective waits for a peer (default:
+    torch's 30 minutes)."""
     torch.set_num_threads(1)
     os.environ.pop("OMP_NUM_THREADS", None)
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
     )
 
 
@@ -270,19 +290,30 @@ def async_run(
     dist.destroy_process_group()
 
 
-class _FailingPlanner(DefaultSavePlanner):
-    """Fails to resolve the second tensor it is asked for: mid-way through the part's body
-    (the writer resolves tensors while streaming them)."""
+class _MidPartPlanner(DefaultSavePlanner):
+    """Calls ``at_second()`` before resolving the second tensor it is asked for: mid-way
+    through the part's body (the writer resolves tensors while streaming them, so the
+    header and the first tensor are on their way)."""
 
-    def __init__(self) -> None:
+    def __init__(self, at_second: Callable[[], None]) -> None:
         super().__init__()
         self.resolved = 0
+        self.at_second = at_second
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         self.resolved += write_item.tensor_data is not None
         if self.resolved == 2:
-            raise RuntimeError("this rank fails mid-upload")
+            self.at_second()
         return super().resolve_data(write_item)
+
+
+def _fail() -> None:
+    raise RuntimeError("this rank fails mid-upload")
+
+
+def _stall() -> None:
+    """Wait for good: the part's upload stays in progress until the test kills the rank."""
+    threading.Event().wait()
 
 
 def failing_save(rank: int, world: int, port: int, url: str, run: str, out: str) -> None:
@@ -294,7 +325,7 @@ def failing_save(rank: int, world: int, port: int, url: str, run: str, out: str)
     train_step(model, opt, 1)
     dcp.save(sharded(model, opt), storage_writer=writer, checkpoint_id=1)
     train_step(model, opt, 2)
-    planner = _FailingPlanner() if rank == world - 1 else None
+    planner = _MidPartPlanner(_fail) if rank == world - 1 else None
     try:
         dcp.save(sharded(model, opt), storage_writer=writer, checkpoint_id=2, planner=planner)
     except CheckpointException as exc:
@@ -352,4 +383,44 @@ def staged_run(rank: int, world: int, port: int, url: str, run: str, out: str) -
     dist.barrier()
     Path(out, f"reused-{rank}.json").write_text(json.dumps(buffers[0] == buffers[1]))
     writer.close()
+    dist.destroy_process_group()
+
+
+def killed_save(
+    rank: int, world: int, port: int, url: str, run: str, out: str, victim: int, timeout_s: float
+) -> None:
+    """Save step 1; then step 2, in which rank ``victim`` stops for good in the middle of
+    its part's body (the test SIGKILLs it there). The others' collectives give up on the
+    dead rank after ``timeout_s`` at most: each notes the error it saw in
+    failed-{rank}.txt and exits with status 1."""
+    init(rank, world, port, timeout_s)
+    model, opt = build()
+    writer = CkptStoreWriter(url, run)
+    train_step(model, opt, 1)
+    dcp.save(sharded(model, opt), storage_writer=writer, checkpoint_id=1)
+    train_step(model, opt, 2)
+    planner = _MidPartPlanner(_stall) if rank == victim else None
+    try:
+        dcp.save(sharded(model, opt), storage_writer=writer, checkpoint_id=2, planner=planner)
+    except Exception as exc:
+        Path(out, f"failed-{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        os._exit(1)  # the group is broken: no clean shutdown to wait for
+    Path(out, f"saved-{rank}.txt").write_text("step 2 saved")  # never: the victim is dead
+
+
+def resumed_save(rank: int, world: int, port: int, url: str, run: str, out: str, step: int) -> None:
+    """A restarted job: load ``latest`` (noting its step in resumed-from.json), train step
+    ``step``, save it; rank 0 keeps the full state saved (full-{step}.pt)."""
+    init(rank, world, port)
+    model, opt = build(seed=1234)  # other values than the saved ones
+    state = sharded(model, opt)
+    reader = CkptStoreReader(url, run)
+    dcp.load(state, storage_reader=reader)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    train_step(model, opt, step)
+    dcp.save(sharded(model, opt), storage_writer=CkptStoreWriter(url, run, step))
+    full = gathered(model, opt)
+    if rank == 0:
+        Path(out, "resumed-from.json").write_text(json.dumps(reader.served_step))
+        torch.save(full, Path(out) / f"full-{step}.pt")
     dist.destroy_process_group()

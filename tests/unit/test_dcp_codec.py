@@ -32,6 +32,7 @@ from ckptstore.dcp import (
     metadata_from_json,
     metadata_to_json,
     parse_checkpoint_id,
+    part_name,
     shard_name,
 )
 from ckptstore.state import dtype_to_wire, tensor_bytes, tensor_from_bytes
@@ -344,7 +345,7 @@ def test_the_writer_plans_grid_pieces_and_dcp_accepts_them() -> None:
     assert isinstance(w, TensorStorageMetadata)
     assert [list(c.offsets) for c in w.chunks] == [[r, 0] for r in range(0, 12, 2)]
     assert len(metadata.state_dict_metadata["b"].chunks) == 1  # type: ignore[union-attr]
-    assert final.storage_data.part == "rank-0"
+    assert final.storage_data.part == part_name(0, writer.save_id) != part_name(0, "other")
     # each piece resolves to its rows of the tensor the planner holds
     from ckptstore.dcp import _resolve
 
