@@ -13,23 +13,42 @@ locks); this is the policy the save and load paths share:
   place; else it fills the run's spare or a fresh file.
 * **A load of the latest checkpoint from storage fills the cache as it streams,** so a miss
   (a restart, another replica's save) costs one decode, not one per load plus one at the
-  run's next save. A load of only some tensors (``prefix``) fills nothing.
+  run's next save. A load of only some tensors (``prefix``, a ``select``, a DCP
+  checkpoint's assembled tensors) cannot fill as it streams: once it ends, the checkpoint
+  is decoded into the cache in the background instead (:meth:`CachePolicy.warm`), if it is
+  still the run's latest.
+* **A checkpoint written in parts is decoded into the cache in the background once
+  committed,** by the replica that committed it (the parts' writers never hold the whole
+  checkpoint): it is ``latest``, so a resharded load reads it from the cache, and its
+  successor's parts read their bases there. A background fill installs only if the
+  checkpoint is still the run's latest and the run's entry did not change meanwhile; one
+  fill at a time, each checkpoint queued once; a checkpoint larger than the cache is not
+  decoded at all.
+* **A part reads its bases from the cache when this replica holds its parent,** sharing
+  the file with other readers (parts of one checkpoint are saved at the same time: none
+  takes the file or overwrites it); on a miss it decodes them from storage, and fills
+  nothing (N parts would decode the parent N times).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckptstore_service.cache import ANY, BaseCache, open_reader
 from ckptstore_service.catalog import Catalog, CheckpointRecord
 from ckptstore_service.chains import ChainSource, Piece
-from ckptstore_service.metrics import Metrics
+from ckptstore_service.metrics import CachePath, Metrics
 
 __all__ = ["CachePolicy", "SaveFiles"]
+
+log = logging.getLogger("ckptstore")
 
 
 @dataclass
@@ -52,12 +71,20 @@ class CachePolicy:
         self._catalog = catalog
         self._source = source
         self._metrics = metrics
+        # background fills (warm): one at a time, each (run, checkpoint id) queued once
+        self._warmer = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-cache-fill")
+        self._warming: set[tuple[str, int]] = set()
+        self._warming_lock = threading.Lock()
 
-    def open(self, run: str, checkpoint_id: int) -> int | None:
-        """A read-only fd of the cached checkpoint, or None on a miss (a load's lookup).
-        Caller closes it."""
+    def close(self) -> None:
+        """Stop the background fills: a queued one is dropped, a running one finishes."""
+        self._warmer.shutdown(wait=True, cancel_futures=True)
+
+    def open(self, run: str, checkpoint_id: int, path: CachePath = "load") -> int | None:
+        """A read-only fd of the cached checkpoint, or None on a miss (a load's lookup, or
+        a part's: ``path``). Caller closes it."""
         fd = self.cache.open(run, checkpoint_id)
-        self._metrics.base_cache("load", hit=fd is not None)
+        self._metrics.base_cache(path, hit=fd is not None)
         return fd
 
     @contextlib.contextmanager
@@ -102,6 +129,18 @@ class CachePolicy:
                     checkpoint_id, size = files.committed
                     self._install_if_latest(run, checkpoint_id, files.path, size, ANY)
 
+    @contextlib.contextmanager
+    def part_base(self, run: str, parent: CheckpointRecord) -> Iterator[int | None]:
+        """A read-only fd of ``parent``'s cache file for a part's save, shared with other
+        readers, or None on a miss: the part then decodes its bases from storage and fills
+        nothing (see the module's docstring). Closed on exit."""
+        fd = self.open(run, parent.id, "save")
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
+
     def _rebuild(self, run: str, parent: CheckpointRecord) -> int:
         """Decode the parent from storage into a cache file (a base-cache miss); returns a
         readable fd of it, installed if the parent is still the run's latest or not."""
@@ -137,6 +176,49 @@ class CachePolicy:
                 self._install_if_latest(info.run, info.id, tmp, size, before)
             else:
                 self.cache.discard(tmp)
+
+    def warm_after(self, info: CheckpointRecord, data: Iterator[Piece]) -> Iterator[Piece]:
+        """Pass a load's decoded data through (a load that cannot fill as it streams), then
+        :meth:`warm` the checkpoint once the data has all been read."""
+        yield from data
+        self.warm(info)
+
+    def warm(self, info: CheckpointRecord) -> None:
+        """Decode ``info`` into the cache in the background if it is the run's latest (see
+        the module's docstring); returns at once. Errors are logged: a fill that failed
+        only leaves the next load a decode from storage."""
+        key = (info.run, info.id)
+        if info.raw_bytes > self.cache.max_bytes or self.cache.current(info.run) == info.id:
+            return
+        with self._warming_lock:
+            if key in self._warming:
+                return
+            self._warming.add(key)
+        try:
+            self._warmer.submit(self._warm, info)
+        except RuntimeError:  # shut down
+            with self._warming_lock:
+                self._warming.discard(key)
+
+    def _warm(self, info: CheckpointRecord) -> None:
+        try:
+            latest = self._catalog.find(info.run, None)
+            before = self.cache.current(info.run)
+            if latest is None or latest.id != info.id or before == info.id:
+                return
+            tmp = self.cache.new_file(info.run)
+            try:
+                self._source.materialize(info, tmp)
+            except BaseException:
+                self.cache.discard(tmp)
+                raise
+            self._install_if_latest(info.run, info.id, tmp, info.raw_bytes, before)
+            log.info("cached %s/%d: %d bytes decoded", info.run, info.step, info.raw_bytes)
+        except Exception:
+            log.exception("could not cache %s/%d", info.run, info.step)
+        finally:
+            with self._warming_lock:
+                self._warming.discard((info.run, info.id))
 
     def _install_if_latest(
         self, run: str, checkpoint_id: int, tmp: Path, size: int, if_current: object

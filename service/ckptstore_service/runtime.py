@@ -73,11 +73,12 @@ class Runtime:
     saver: Saver = field(init=False)
     parts: PartSaver = field(init=False)
     loader: Loader = field(init=False)
+    policy: CachePolicy = field(init=False)
 
     def __post_init__(self) -> None:
         self.budget = Budget(self.workers, self.settings.chunk_bytes)
         self.source = ChainSource(self.catalog, self.store, self.pool, self.budget)
-        policy = CachePolicy(self.cache, self.catalog, self.source, self.metrics)
+        self.policy = policy = CachePolicy(self.cache, self.catalog, self.source, self.metrics)
         chunks = ChunkStore(
             self.pool, self.budget, self.settings.chunk_bytes, self.settings.zstd_level
         )
@@ -86,6 +87,7 @@ class Runtime:
         self.parts = PartSaver(
             self.catalog,
             self.store,
+            policy,
             chunks,
             self.settings,
             self.cache.scratch,
@@ -134,6 +136,7 @@ class Runtime:
         return runtime
 
     def close(self) -> None:
+        self.policy.close()  # its fills decode in the codec pool: stopped first
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.store.close()
         self.catalog.close()

@@ -4,120 +4,17 @@ through torch.distributed.checkpoint, and PostgreSQL + S3 replicas)."""
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
 
-from ckptstore_core.wire import FORMAT, encode_header
 from support.bodies import assert_error
+from support.parts import commit, dcp_layout, part_body, put_part, save_in_parts, shards, tensors_of
 from support.serviceproc import Service, wait_idle
 from support.waiting import wait_until
-
-
-def part_body(tensors: dict[str, np.ndarray]) -> bytes:
-    prefix, _ = encode_header(
-        [(name, "F32", a.shape) for name, a in tensors.items()], {"format": FORMAT}
-    )
-    return prefix + b"".join(a.astype(np.float32).tobytes() for a in tensors.values())
-
-
-def shards(
-    step: int, ranks: int = 2, rows: int = 64, cols: int = 512
-) -> list[dict[str, np.ndarray]]:
-    """Each rank's dim-0 shard of two tensors, changing a little from step to step."""
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((rows, cols)).astype(np.float32)
-    b = rng.standard_normal((rows,)).astype(np.float32)
-    w[:, : step % cols] += np.float32(1e-3) * step  # a slowly changing part
-    per = rows // ranks
-    return [
-        {
-            f"w@{r * per},0": w[r * per : (r + 1) * per],
-            f"b@{r * per}": b[r * per : (r + 1) * per],
-        }
-        for r in range(ranks)
-    ]
-
-
-def dcp_layout(ranks: int = 2, rows: int = 64, cols: int = 512) -> str:
-    """The DCP metadata (ckptstore's JSON form) of :func:`shards`: ``w`` and ``b`` split in
-    ``ranks`` row blocks."""
-    per = rows // ranks
-    tensor = {"t": "tensor", "dtype": "float32"}
-    return json.dumps(
-        {
-            "v": 1,
-            "state_dict": [
-                [
-                    "w",
-                    {
-                        **tensor,
-                        "size": [rows, cols],
-                        "chunks": [[[r * per, 0], [per, cols]] for r in range(ranks)],
-                    },
-                ],
-                [
-                    "b",
-                    {
-                        **tensor,
-                        "size": [rows],
-                        "chunks": [[[r * per], [per]] for r in range(ranks)],
-                    },
-                ],
-            ],
-            "storage_data": [
-                entry
-                for r in range(ranks)
-                for entry in (
-                    ["w", [r * per, 0], f"rank-{r}", f"w@{r * per},0"],
-                    ["b", [r * per], f"rank-{r}", f"b@{r * per}"],
-                )
-            ],
-        }
-    )
-
-
-def put_part(url: str, run: str, step: int, part: str, body: bytes) -> httpx.Response:
-    with httpx.Client(base_url=url, timeout=60) as c:
-        return c.put(f"/v1/runs/{run}/checkpoints/{step}/parts/{part}", content=body)
-
-
-def commit(url: str, run: str, step: int, parts: list[str], meta: dict[str, str] | None = None):
-    with httpx.Client(base_url=url, timeout=60) as c:
-        return c.post(
-            f"/v1/runs/{run}/checkpoints/{step}/commit",
-            json={"parts": parts, "metadata": meta or {}},
-        )
-
-
-def tensors_of(content: bytes) -> dict[str, bytes]:
-    (n,) = struct.unpack("<Q", content[:8])
-    header = json.loads(content[8 : 8 + n])
-    data = content[8 + n :]
-    return {
-        name: data[spec["data_offsets"][0] : spec["data_offsets"][1]]
-        for name, spec in header.items()
-        if name != "__metadata__"
-    }
-
-
-def save_in_parts(url: str, run: str, step: int, ranks: int = 2) -> list[dict[str, np.ndarray]]:
-    bodies = shards(step, ranks)
-    with ThreadPoolExecutor(ranks) as pool:  # the ranks upload at the same time
-        answers = list(
-            pool.map(
-                lambda r: put_part(url, run, step, f"rank-{r}", part_body(bodies[r])),
-                range(ranks),
-            )
-        )
-    assert [a.status_code for a in answers] == [201] * ranks, [a.text for a in answers]
-    return bodies
 
 
 def test_parts_are_invisible_until_the_commit_then_load_as_one_checkpoint(
