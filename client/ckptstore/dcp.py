@@ -102,7 +102,7 @@ from ckptstore.state import (
     tensor_bytes,
     tensor_from_bytes,
 )
-from ckptstore_core.dcp_layout import FULL, LAYOUT_KEY, METADATA_KEY
+from ckptstore_core.dcp_layout import FULL, LAYOUT_KEY, METADATA_KEY, parse_chunks
 from ckptstore_core.errors import CorruptData, InvalidRequest
 from ckptstore_core.names import check_run_name
 from ckptstore_core.records import USER_METADATA_KEY, encode_user_metadata
@@ -323,15 +323,10 @@ def _decode_entry(entry: object) -> tuple[str, TensorStorageMetadata | BytesStor
         pin_memory=node["pin_memory"],
     )
     size = _ints(node.get("size"), f"{fqn!r}: size")
-    decoded = []
-    for chunk in chunks:
-        if not isinstance(chunk, list) or len(chunk) != 2:
-            raise ValueError(f"DCP metadata: {fqn!r}: bad chunk {chunk!r}")
-        offsets = _ints(chunk[0], f"{fqn!r}: chunk offsets")
-        sizes = _ints(chunk[1], f"{fqn!r}: chunk sizes")
-        if len(offsets) != len(size) or len(sizes) != len(size):
-            raise ValueError(f"DCP metadata: {fqn!r}: chunk {chunk!r} of a {len(size)}-d tensor")
-        decoded.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
+    decoded = [
+        ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+        for offsets, sizes in parse_chunks(fqn, tuple(size), chunks)
+    ]
     return fqn, TensorStorageMetadata(properties=props, size=size, chunks=decoded)
 
 

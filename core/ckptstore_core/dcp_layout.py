@@ -34,6 +34,7 @@ __all__ = [
     "METADATA_KEY",
     "Entry",
     "Piece",
+    "parse_chunks",
     "parse_layout",
 ]
 
@@ -151,15 +152,7 @@ def _entry(item: object, stored: Mapping[tuple[str, tuple[int, ...] | None], str
         raise ValueError(f"DCP metadata: {fqn!r} is neither a tensor nor bytes")
     size = _ints(node.get("size"), f"{fqn!r}: size")
     pieces = []
-    for chunk in _list(node.get("chunks"), f"{fqn!r}: chunks"):
-        if not isinstance(chunk, list) or len(chunk) != 2:
-            raise ValueError(f"DCP metadata: {fqn!r}: bad chunk {chunk!r}")
-        offsets = _ints(chunk[0], f"{fqn!r}: chunk offsets")
-        sizes = _ints(chunk[1], f"{fqn!r}: chunk sizes")
-        if len(offsets) != len(size) or len(sizes) != len(size):
-            raise ValueError(f"DCP metadata: {fqn!r}: chunk {chunk!r} of a {len(size)}-d tensor")
-        if any(o + s > d for o, s, d in zip(offsets, sizes, size, strict=True)):
-            raise ValueError(f"DCP metadata: {fqn!r}: chunk {chunk!r} outside its {list(size)}")
+    for offsets, sizes in parse_chunks(fqn, size, node.get("chunks")):
         name = stored.get((fqn, offsets))
         if name is None:
             raise ValueError(f"DCP metadata has no storage for {fqn!r} at {list(offsets)}")
@@ -168,6 +161,26 @@ def _entry(item: object, stored: Mapping[tuple[str, tuple[int, ...] | None], str
     entry = Entry(fqn, size, tuple(pieces))
     _check_cover(entry)
     return entry
+
+
+def parse_chunks(
+    fqn: str, size: tuple[int, ...], chunks: object
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The ``(offsets, sizes)`` of a tensor entry's ``chunks`` (``[[offsets, sizes], ...]``),
+    each checked to be a region of a tensor of ``size``; ``ValueError`` says what is wrong.
+    The client's decoder of the whole document reads them with this too."""
+    out = []
+    for chunk in _list(chunks, f"{fqn!r}: chunks"):
+        if not isinstance(chunk, list) or len(chunk) != 2:
+            raise ValueError(f"DCP metadata: {fqn!r}: bad chunk {chunk!r}")
+        offsets = _ints(chunk[0], f"{fqn!r}: chunk offsets")
+        sizes = _ints(chunk[1], f"{fqn!r}: chunk sizes")
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            raise ValueError(f"DCP metadata: {fqn!r}: chunk {chunk!r} of a {len(size)}-d tensor")
+        if any(o + s > d for o, s, d in zip(offsets, sizes, size, strict=True)):
+            raise ValueError(f"DCP metadata: {fqn!r}: chunk {chunk!r} outside its {list(size)}")
+        out.append((offsets, sizes))
+    return out
 
 
 def _check_cover(entry: Entry) -> None:
