@@ -12,6 +12,8 @@ the same class, so ``except CheckpointNotFound`` works on both sides of the wire
     │   ├── RunNotFound           404 run_not_found
     │   └── CheckpointNotFound    404 checkpoint_not_found
     ├── CheckpointExists          409 checkpoint_exists same step, different content
+    ├── RunBusy                   409 run_busy          the run is in a state that refuses
+    │                                                     the request now (retry later)
     ├── PayloadTooLarge           413 payload_too_large header or body over the limits
     ├── CorruptData               500 corrupt_data      checksum mismatch on read
     ├── InternalError             500 internal_error    a bug: anything not translated
@@ -34,6 +36,7 @@ __all__ = [
     "InvalidStream",
     "NotFound",
     "PayloadTooLarge",
+    "RunBusy",
     "RunNotFound",
     "ServiceUnavailable",
     "StorageUnavailable",
@@ -100,6 +103,14 @@ class CheckpointExists(CkptStoreError):
     """The step is stored already, with different content."""
 
     code = "checkpoint_exists"
+    status = 409
+
+
+class RunBusy(CkptStoreError):
+    """The run cannot take the request now: e.g. a delete while a checkpoint of the run is
+    being written in parts (uploaded, not committed). Retry once that is over."""
+
+    code = "run_busy"
     status = 409
 
 

@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptstore_core.errors import CkptStoreError, InternalError, InvalidRequest
-from ckptstore_service.api import dashboard, parts
+from ckptstore_service.api import dashboard, lifecycle, parts
 from ckptstore_service.api.instrument import instrument
 from ckptstore_service.api.routes import router, unrouted
 from ckptstore_service.maintenance import Maintenance, RerootPolicy
@@ -75,6 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.include_router(router)
     app.include_router(parts.router)
+    app.include_router(lifecycle.router)
     if settings.metrics:
         instrument(app, metrics)
     app.include_router(dashboard.router)  # HTML pages for people, not in the OpenAPI document

@@ -279,6 +279,19 @@ class BaseCache:
             evicted.path.unlink(missing_ok=True)
             total -= evicted.size
 
+    def forget(self, run: str, checkpoint_id: int | None) -> None:
+        """Drop the run's entry if it is ``checkpoint_id`` (None: whatever it is), and the
+        run's spare: a deleted checkpoint's file frees its disk now (a reader that has it
+        open keeps reading it)."""
+        with self._lock:
+            entry = self._entries.get(run)
+            if entry is not None and checkpoint_id in (None, entry.checkpoint_id):
+                del self._entries[run]
+                entry.path.unlink(missing_ok=True)
+            spare = self._spares.pop(run, None) if checkpoint_id is None else None
+            if spare is not None:
+                spare.path.unlink(missing_ok=True)
+
     @staticmethod
     def discard(tmp: Path) -> None:
         tmp.unlink(missing_ok=True)

@@ -28,6 +28,12 @@ locks); this is the policy the save and load paths share:
   the file with other readers (parts of one checkpoint are saved at the same time: none
   takes the file or overwrites it); on a miss it decodes them from storage, and fills
   nothing (N parts would decode the parent N times).
+* **A deleted checkpoint's file is never served nor used as a save's base.** Files are
+  found by checkpoint id, and a deleted checkpoint's id never names another one (its row
+  stays as a tombstone, :mod:`ckptstore_service.catalog.lifecycle`), so on every replica
+  its file can only miss; the replica that deleted it drops the file at once
+  (:meth:`~ckptstore_service.cache.BaseCache.forget`). A checkpoint re-based by a delete
+  keeps its bytes, and its file.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,12 +81,9 @@ class CachePolicy:
         self._warmer = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-cache-fill")
         self._warming: set[tuple[str, int]] = set()
         self._warming_lock = threading.Lock()
-        self._closing = threading.Event()
 
     def close(self) -> None:
-        """Stop the background fills: queued ones are dropped, a running one is abandoned
-        (its file discarded)."""
-        self._closing.set()
+        """Stop the background fills: a queued one is dropped, a running one finishes."""
         self._warmer.shutdown(wait=True, cancel_futures=True)
 
     def open(self, run: str, checkpoint_id: int, path: CachePath = "load") -> int | None:
@@ -157,7 +160,7 @@ class CachePolicy:
         self._install_if_latest(run, parent.id, tmp, parent.raw_bytes, ANY)
         return fd
 
-    def fill(self, info: CheckpointRecord, data: Iterator[Piece]) -> Generator[Piece, None, None]:
+    def fill(self, info: CheckpointRecord, data: Iterator[Piece]) -> Iterator[Piece]:
         """Pass a load's decoded data through, keeping a copy as the run's base cache if the
         checkpoint is its latest and no newer one is installed by the time it ends."""
         latest = self._catalog.find(info.run, None)
@@ -204,17 +207,18 @@ class CachePolicy:
                 self._warming.discard(key)
 
     def _warm(self, info: CheckpointRecord) -> None:
-        """A background fill: the checkpoint decoded from storage through :meth:`fill`
-        (which installs it under the one rule), abandoned at :meth:`close`."""
         try:
             latest = self._catalog.find(info.run, None)
-            if latest is None or latest.id != info.id or self.cache.current(info.run) == info.id:
+            before = self.cache.current(info.run)
+            if latest is None or latest.id != info.id or before == info.id:
                 return
-            data = self._source.stream(info, self._catalog.tensors(info.id))
-            with contextlib.closing(self.fill(info, data)) as filling:
-                for _ in filling:
-                    if self._closing.is_set():
-                        return  # closing the fill discards its file
+            tmp = self.cache.new_file(info.run)
+            try:
+                self._source.materialize(info, tmp)
+            except BaseException:
+                self.cache.discard(tmp)
+                raise
+            self._install_if_latest(info.run, info.id, tmp, info.raw_bytes, before)
             log.info("cached %s/%d: %d bytes decoded", info.run, info.step, info.raw_bytes)
         except Exception:
             log.exception("could not cache %s/%d", info.run, info.step)

@@ -22,7 +22,7 @@ from pathlib import Path
 import xxhash
 
 from ckptstore_core import codec
-from ckptstore_core.errors import CorruptData
+from ckptstore_core.errors import CheckpointNotFound, CorruptData
 from ckptstore_service.budget import Budget
 from ckptstore_service.catalog import Catalog, CheckpointRecord, ChunkInfo, TensorInfo
 from ckptstore_service.storage import BlobStore, Buffer
@@ -222,7 +222,15 @@ class ChainSource:
             (c for c in own if c.tensor_idx in order),
             key=lambda c: (order[c.tensor_idx], c.offset),
         )
-        check_tiling(tensors, chunks)
+        try:
+            check_tiling(tensors, chunks)
+        except CorruptData:
+            found = self._catalog.find(info.run, info.step)
+            if found is None or found.id != info.id:  # deleted since its tensors were read
+                raise CheckpointNotFound(
+                    f"run {info.run!r} has no checkpoint at step {info.step}"
+                ) from None
+            raise
         decoder = ChainDecoder(self._store, closure, 2 * self._budget.bytes_in_flight, stats)
         decoder.keep_masters(chunks)
         return self._decoded(decoder, chunks)

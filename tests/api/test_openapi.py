@@ -75,7 +75,8 @@ def test_no_validation_error_anywhere(spec: dict[str, Any]) -> None:
 def test_the_paths_are_the_routes(spec: dict[str, Any]) -> None:
     assert {"/healthz", "/v1/runs", CHECKPOINTS, CHECKPOINT} <= set(spec["paths"])
     assert not [p for p in spec["paths"] if ":" in p]  # FastAPI drops the ``:path`` converter
-    assert set(spec["paths"][CHECKPOINT]) == {"get", "post"}
+    assert set(spec["paths"][CHECKPOINT]) == {"get", "post", "delete"}
+    assert set(spec["paths"]["/v1/runs/{run}"]) == {"delete"}
     run = next(p for p in spec["paths"][CHECKPOINT]["post"]["parameters"] if p["name"] == "run")
     assert run["in"] == "path" and RUN_NAME_RULE in run["description"]
 

@@ -95,7 +95,7 @@ def test_bad_runs_anywhere_under_runs(
     assert message == f"invalid run name {named}: {RUN_NAME_RULE}"
 
 
-UNKNOWN = ["/nowhere", "/v1/nowhere", "/v1/runs/team", "/v1/runs/team/exp1", "/v1/runs/ok/x/y"]
+UNKNOWN = ["/nowhere", "/v1/nowhere", "/v1/runs/team/exp1", "/v1/runs/ok/x/y"]
 
 
 @pytest.mark.parametrize("path", UNKNOWN)
@@ -106,7 +106,12 @@ def test_unknown_routes_stay_not_found(http: httpx.Client, path: str) -> None:
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("DELETE", "/v1/runs/ok/checkpoints/3"), ("PUT", "/v1/runs/ok/checkpoints")],
+    # a run's own path exists (DELETE deletes it): other methods are 405 there
+    [
+        ("PATCH", "/v1/runs/ok/checkpoints/3"),
+        ("PUT", "/v1/runs/ok/checkpoints"),
+        ("GET", "/v1/runs/ok"),
+    ],
 )
 def test_wrong_methods_stay_405(http: httpx.Client, method: str, path: str) -> None:
     assert_error(send(http, method, path), 405, "invalid_request")

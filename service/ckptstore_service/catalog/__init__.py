@@ -11,6 +11,7 @@ upload. :class:`Catalog` is the one object callers use; behind it, one module pe
 * :mod:`.graph`: tensors, chunks and their chains
 * :mod:`.garbage`: blobs due for deletion, and the re-root commit
 * :mod:`.parts`: checkpoints written in parts by several writers, committed once
+* :mod:`.lifecycle`: deleting checkpoints (after their re-base) and runs
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from pathlib import Path
 from sqlalchemy import Engine
 
 from ckptstore_core.records import RunInfo
-from ckptstore_service.catalog import checkpoints, garbage, graph, parts, uploads
+from ckptstore_service.catalog import checkpoints, garbage, graph, lifecycle, parts, uploads
 from ckptstore_service.catalog.db import Database, shown_url
+from ckptstore_service.catalog.lifecycle import DeleteChanges, PartBlob
 from ckptstore_service.catalog.locks import Purpose, open_run_locks
 from ckptstore_service.catalog.parts import PartRecord
 from ckptstore_service.catalog.records import (
@@ -42,7 +44,9 @@ __all__ = [
     "CheckpointUpdate",
     "ChunkInfo",
     "ChunkUpdate",
+    "DeleteChanges",
     "NewChunk",
+    "PartBlob",
     "PartRecord",
     "RunInfo",
     "TensorInfo",
@@ -263,6 +267,30 @@ class Catalog:
     def descendants(self, ids: Collection[int]) -> list[ChunkInfo]:
         """Every chunk whose chain passes through one of the chunks ``ids``."""
         return graph.descendants(self._db, ids)
+
+    def dependents(self, checkpoint_id: int) -> list[ChunkInfo]:
+        """The chunks of other checkpoints whose base is one of this checkpoint's chunks."""
+        return graph.dependents(self._db, checkpoint_id)
+
+    # -- deleting checkpoints and runs (:mod:`.lifecycle`) -----------------------------------
+
+    def open_parts_step(self, run: str) -> int | None:
+        """The step of a checkpoint of ``run`` being written in parts, if any."""
+        return lifecycle.open_parts_step(self._db, run)
+
+    def part_blobs(self, checkpoint_id: int) -> list[PartBlob]:
+        """The blobs of the checkpoint's parts (none unless written in parts)."""
+        return lifecycle.part_blobs(self._db, checkpoint_id)
+
+    def commit_delete(self, run: str, changes: DeleteChanges) -> list[str]:
+        """Make a delete visible in one transaction; returns the deleted checkpoint's blobs
+        (:func:`.lifecycle.commit_delete` states the contract)."""
+        return lifecycle.commit_delete(self._db, run, changes)
+
+    def delete_run(self, run: str, not_before: datetime) -> tuple[int, list[str]]:
+        """Delete every checkpoint of ``run``; their blobs are garbage from ``not_before``
+        (:func:`.lifecycle.delete_run`)."""
+        return lifecycle.delete_run(self._db, run, not_before)
 
     # -- garbage and re-roots (:mod:`.garbage`) ----------------------------------------------
 

@@ -13,21 +13,24 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 
 from sqlalchemy import bindparam, delete, func, insert, select, update
+from sqlalchemy.orm import Session
 
 from ckptstore_core.errors import CorruptData
 from ckptstore_service.catalog.checkpoints import ensure_run
 from ckptstore_service.catalog.db import Database
-from ckptstore_service.catalog.models import Base, Checkpoint, Chunk, Garbage, Run
+from ckptstore_service.catalog.models import Base, Checkpoint, Chunk, Garbage, Part, Run
 from ckptstore_service.catalog.records import CheckpointUpdate, ChunkUpdate
 
 __all__ = [
     "RerootChanges",
     "add_garbage",
+    "apply_rewrite",
     "blob_in_use",
     "commit_reroot",
     "drop_garbage",
     "forget_garbage",
     "garbage",
+    "retire",
 ]
 
 _CHUNKS = Base.metadata.tables[Chunk.__tablename__]
@@ -70,9 +73,12 @@ def drop_garbage(db: Database, garbage_id: int) -> None:
 
 
 def blob_in_use(db: Database, key: str) -> bool:
-    """Whether any checkpoint row (committed or being written) names blob ``key``."""
+    """Whether any checkpoint row (committed or being written), or any part of one, names
+    blob ``key``."""
     with db.session() as s:
-        return bool(s.scalar(select(func.count()).where(Checkpoint.blob_key == key)))
+        if s.scalar(select(func.count()).where(Checkpoint.blob_key == key)):
+            return True
+        return bool(s.scalar(select(func.count()).where(Part.blob_key == key)))
 
 
 def forget_garbage(db: Database, key: str) -> None:
@@ -103,37 +109,46 @@ def commit_reroot(db: Database, run: str, changes: RerootChanges) -> None:
     """
     run_id = ensure_run(db, run)
     with db.session() as s:
-        for ck in changes.checkpoints:
-            current = s.scalar(select(Checkpoint.blob_key).where(Checkpoint.id == ck.id))
-            if current != ck.old_blob_key:
-                raise CorruptData(f"checkpoint {ck.id} changed during its re-root")
-        if changes.chunks:
-            s.execute(
-                update(_CHUNKS)
-                .where(_CHUNKS.c.id == bindparam("b_id"))
-                .values({f: bindparam(f"b_{f}") for f in _FIELDS if f != "id"}),
-                [{f"b_{f}": getattr(u, f) for f in _FIELDS} for u in changes.chunks],
+        apply_rewrite(s, run_id, changes)
+
+
+def apply_rewrite(s: Session, run_id: int, changes: RerootChanges) -> None:
+    """The rows of a rewrite of committed chunks (a re-root's, a delete's re-base), in
+    transaction ``s``: see :func:`commit_reroot`."""
+    for ck in changes.checkpoints:
+        current = s.scalar(select(Checkpoint.blob_key).where(Checkpoint.id == ck.id))
+        if current != ck.old_blob_key:
+            raise CorruptData(f"checkpoint {ck.id} changed during its rewrite")
+    if changes.chunks:
+        s.execute(
+            update(_CHUNKS)
+            .where(_CHUNKS.c.id == bindparam("b_id"))
+            .values({f: bindparam(f"b_{f}") for f in _FIELDS if f != "id"}),
+            [{f"b_{f}": getattr(u, f) for f in _FIELDS} for u in changes.chunks],
+        )
+    for ck in changes.checkpoints:
+        s.execute(
+            update(Checkpoint)
+            .where(Checkpoint.id == ck.id)
+            .values(
+                blob_key=ck.blob_key,
+                stored_bytes=ck.stored_bytes,
+                chain_depth=ck.chain_depth,
+                keyframe=ck.keyframe,
             )
-        for ck in changes.checkpoints:
-            s.execute(
-                update(Checkpoint)
-                .where(Checkpoint.id == ck.id)
-                .values(
-                    blob_key=ck.blob_key,
-                    stored_bytes=ck.stored_bytes,
-                    chain_depth=ck.chain_depth,
-                    keyframe=ck.keyframe,
-                )
-            )
-        if changes.written:
-            taken = s.execute(
-                delete(Garbage).where(Garbage.id.in_(list(changes.written))).returning(Garbage.id)
-            ).all()
-            if len(taken) != len(changes.written):  # a collector took one: it may be gone
-                raise CorruptData("a blob of this re-root was collected before its commit")
-        if changes.retired:
-            due = changes.not_before
-            s.execute(
-                insert(Garbage),
-                [{"run_id": run_id, "blob_key": k, "not_before": due} for k in changes.retired],
-            )
+        )
+    if changes.written:
+        taken = s.execute(
+            delete(Garbage).where(Garbage.id.in_(list(changes.written))).returning(Garbage.id)
+        ).all()
+        if len(taken) != len(changes.written):  # a collector took one: it may be gone
+            raise CorruptData("a blob of this rewrite was collected before its commit")
+    retire(s, run_id, changes.retired, changes.not_before)
+
+
+def retire(s: Session, run_id: int, keys: Iterable[str], not_before: datetime) -> None:
+    """Name blobs ``keys`` (of run ``run_id``) as garbage from ``not_before``, in
+    transaction ``s``."""
+    rows = [{"run_id": run_id, "blob_key": k, "not_before": not_before} for k in keys if k]
+    if rows:
+        s.execute(insert(Garbage), rows)

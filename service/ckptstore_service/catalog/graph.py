@@ -18,7 +18,7 @@ from ckptstore_service.catalog.db import Database
 from ckptstore_service.catalog.models import Checkpoint, Chunk, Part, TensorRow
 from ckptstore_service.catalog.records import ChunkInfo, NewChunk, TensorInfo
 
-__all__ = ["chunk_tree", "chunks", "descendants", "tensors"]
+__all__ = ["chunk_tree", "chunks", "dependents", "descendants", "tensors"]
 
 _CHUNK_COLUMNS = (*NewChunk.__slots__, "id")
 # how many ids one recursive query starts from (bound parameters per statement are limited)
@@ -114,3 +114,16 @@ def descendants(db: Database, ids: Collection[int]) -> list[ChunkInfo]:
             query = _chunk_query().where(Chunk.id.in_(select(reach.c.id)))
             found.update((c.id, c) for c in map(_chunk, s.execute(query).all()))
     return [c for c in found.values() if c.id not in ids]
+
+
+def dependents(db: Database, checkpoint_id: int) -> list[ChunkInfo]:
+    """The chunks of other checkpoints whose base is one of checkpoint ``checkpoint_id``'s
+    chunks (a delta or ref of it), by checkpoint, tensor and offset."""
+    own = select(Chunk.id).where(Chunk.checkpoint_id == checkpoint_id)
+    query = (
+        _chunk_query()
+        .where(Chunk.base_id.in_(own), Chunk.checkpoint_id != checkpoint_id)
+        .order_by(Chunk.checkpoint_id, Chunk.tensor_idx, Chunk.offset)
+    )
+    with db.session() as s:
+        return [_chunk(r) for r in s.execute(query).all()]

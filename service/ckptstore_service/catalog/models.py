@@ -31,6 +31,11 @@ WRITING = "writing"
 COMMITTED = "committed"
 PARTS = "parts"  # a checkpoint of several parts, not committed yet (see Part)
 DONE = "done"  # a part whose blob is durable and whose rows are in
+# A deleted checkpoint's row stays, without tensors, chunks, parts or blob, invisible like an
+# upload in progress: its id is never given again (SQLite reuses the largest rowid once its
+# row is gone), so nothing keyed by a checkpoint id, such as a replica's base-cache file,
+# can be taken for a later checkpoint's (see ckptstore_service.catalog.lifecycle).
+DELETED = "deleted"
 
 
 def _now() -> datetime:

@@ -35,32 +35,35 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 import threading
 import time
-from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
-from typing import IO
 
 from ckptstore_core import codec
-from ckptstore_core.errors import CorruptData, RunNotFound
+from ckptstore_core.errors import RunNotFound
 from ckptstore_service.budget import Budget
-from ckptstore_service.catalog import (
-    Catalog,
-    CheckpointRecord,
-    CheckpointUpdate,
-    ChunkInfo,
-    ChunkUpdate,
+from ckptstore_service.catalog import Catalog, CheckpointRecord, ChunkInfo
+from ckptstore_service.chains import ChainDecoder, Piece
+from ckptstore_service.maintenance.rewrite import (
+    NewBlobs,
+    Rewrite,
+    Spools,
+    Stopped,
+    checked,
+    checkpoint_figures,
+    drop_new_blobs,
+    encode_all,
+    new_depths,
+    polled_run_lock,
+    rewrite_blob,
 )
-from ckptstore_service.chains import ChainDecoder, Piece, WindowReader
-from ckptstore_service.maintenance.garbage import delete_blob
 from ckptstore_service.names import blob_key
 from ckptstore_service.settings import Settings
-from ckptstore_service.storage import BlobStore, Buffer
+from ckptstore_service.storage import BlobStore
 
 __all__ = [
     "RerootPolicy",
@@ -96,10 +99,6 @@ class RerootPolicy:
             new_blob_due_s=settings.incomplete_upload_ttl_s,
             grace_s=settings.garbage_grace_s,
         )
-
-
-class Stopped(Exception):
-    """The service is shutting down: a re-root in progress is abandoned."""
 
 
 def reroot_target(
@@ -141,15 +140,6 @@ def reroot_target(
     return (segment[target], infos) if 0 < target < root else None
 
 
-@dataclass(frozen=True, slots=True)
-class _Rewrite:
-    chunk: ChunkInfo  # the row as it was
-    codec: str
-    base_id: int | None
-    depth: int
-    parts: tuple[Buffer, ...]
-
-
 def _paths(decoder: ChainDecoder, tops: list[ChunkInfo]) -> list[list[ChunkInfo]]:
     """The chains to reverse, one per distinct chunk of the target that is a delta: each from
     the chunk it rests on (self-contained, or a copy of an fp32 master) up to the target's."""
@@ -165,16 +155,7 @@ def _paths(decoder: ChainDecoder, tops: list[ChunkInfo]) -> list[list[ChunkInfo]
     return paths
 
 
-def _checked(enc: codec.EncodedChunk, base: Piece | None, c: ChunkInfo) -> codec.EncodedChunk:
-    """``enc`` once it has decoded back to ``c``'s bytes."""
-    links: list[tuple[str, Buffer]] = [(enc.codec, enc.payload)]
-    if base is not None:
-        links.insert(0, (codec.RAW, base))
-    codec.decode_chain(links, c.itemsize, c.raw_len, c.checksum)
-    return enc
-
-
-def _reverse(decoder: ChainDecoder, path: list[ChunkInfo], level: int) -> list[_Rewrite]:
+def _reverse(decoder: ChainDecoder, path: list[ChunkInfo], level: int) -> list[Rewrite]:
     """Re-encode one chain: its top stored whole, every other link a delta of its successor
     (or whole, where that delta does not pay)."""
     raws = [decoder.decode(path[0])]
@@ -182,8 +163,8 @@ def _reverse(decoder: ChainDecoder, path: list[ChunkInfo], level: int) -> list[_
         links = [(codec.RAW, raws[-1]), (p.codec, decoder.fetch(p))]
         raws.append(codec.decode_chain(links, p.itemsize, p.raw_len, p.checksum))
     top = path[-1]
-    enc = _checked(codec.encode_chunk(raws[-1], None, top.itemsize, level), None, top)
-    out = [_Rewrite(top, enc.codec, None, 0, enc.parts)]
+    enc = checked(codec.encode_chunk(raws[-1], None, top.itemsize, level), None, top)
+    out = [Rewrite(top, enc.codec, None, 0, enc.parts)]
     depth = 0
     for j in range(len(path) - 2, -1, -1):
         p = path[j]
@@ -191,10 +172,10 @@ def _reverse(decoder: ChainDecoder, path: list[ChunkInfo], level: int) -> list[_
         enc = codec.encode_chunk(raws[j], base, p.itemsize, level)
         if not codec.is_delta(enc.codec):  # whole (a ref cannot be: it would have been one)
             enc, base = codec.encode_chunk(raws[j], None, p.itemsize, level), None
-        _checked(enc, base, p)
+        checked(enc, base, p)
         depth = 0 if base is None else depth + 1
         out.append(
-            _Rewrite(p, enc.codec, None if base is None else path[j + 1].id, depth, enc.parts)
+            Rewrite(p, enc.codec, None if base is None else path[j + 1].id, depth, enc.parts)
         )
     return out
 
@@ -212,86 +193,6 @@ class Rerooted:
     bytes_written: int
 
 
-@dataclass(frozen=True, slots=True)
-class _Spooled:
-    codec: str
-    base_id: int | None
-    depth: int
-    offset: int  # in its checkpoint's spool file
-    size: int
-
-
-class _Spools:
-    """The new encodings of each checkpoint, in an unnamed temp file of its own until its
-    new blob is written: memory holds only the chains being re-encoded."""
-
-    def __init__(self, folder: os.PathLike[str]) -> None:
-        self._folder = folder
-        self.files: dict[int, IO[bytes]] = {}
-        self.chunks: dict[int, _Spooled] = {}
-
-    def add(self, r: _Rewrite) -> None:
-        f = self.files.get(r.chunk.checkpoint_id)
-        if f is None:
-            # closed by close(): one per rewritten checkpoint, open across many calls
-            f = tempfile.TemporaryFile(dir=self._folder)  # noqa: SIM115
-            self.files[r.chunk.checkpoint_id] = f
-        offset = f.seek(0, os.SEEK_END)
-        size = 0
-        for part in r.parts:
-            size += f.write(part)
-        self.chunks[r.chunk.id] = _Spooled(r.codec, r.base_id, r.depth, offset, size)
-
-    def read(self, checkpoint_id: int, s: _Spooled) -> bytes:
-        f = self.files[checkpoint_id]
-        f.flush()
-        data = os.pread(f.fileno(), s.size, s.offset)
-        if len(data) != s.size:
-            raise OSError("a re-root's spool file is shorter than what it wrote")
-        return data
-
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
-
-
-def _encode_all(
-    decoder: ChainDecoder,
-    paths: list[list[ChunkInfo]],
-    spools: _Spools,
-    pool: Executor,
-    stop: threading.Event | None,
-    policy: RerootPolicy,
-) -> None:
-    """Re-encode the chains in the re-root's own threads, as many at a time as fit the
-    budget of a save's chunks in flight (each holds every raw link of its chain)."""
-    budget = policy.bytes_in_flight
-    pending: deque[tuple[int, Future[list[_Rewrite]]]] = deque()
-    held = 0
-
-    def take() -> None:
-        nonlocal held
-        size, fut = pending.popleft()
-        held -= size
-        for r in fut.result():
-            spools.add(r)
-
-    try:
-        for path in paths:
-            if stop is not None and stop.is_set():
-                raise Stopped
-            size = len(path) * path[0].raw_len
-            while pending and held + size > budget:
-                take()
-            pending.append((size, pool.submit(_reverse, decoder, path, policy.zstd_level)))
-            held += size
-        while pending:
-            take()
-    finally:
-        for _, fut in pending:
-            fut.cancel()
-
-
 def reroot_pool(workers: int) -> ThreadPoolExecutor:
     """Threads for re-roots, apart from the codec pool that saves and loads share, and at a
     lower CPU priority: half as many as codec threads (at least one), niced."""
@@ -301,41 +202,6 @@ def reroot_pool(workers: int) -> ThreadPoolExecutor:
 def _lower_priority() -> None:
     with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's nice is its own
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-
-
-def _new_depths(
-    catalog: Catalog, rewritten: dict[int, int]
-) -> tuple[dict[int, int], list[ChunkInfo]]:
-    """The depth of every chunk whose chain goes through a rewritten one (``rewritten``:
-    their new depths), and those chunks."""
-    depth = dict(rewritten)
-    below = catalog.descendants(depth.keys())
-    by_id = {c.id: c for c in below}
-    for c in below:
-        stack = []
-        while c.id not in depth:
-            stack.append(c)
-            if c.base_id in depth:
-                break
-            if c.base_id not in by_id:
-                raise CorruptData(f"the catalog's chunk {c.id} lost its base during a re-root")
-            c = by_id[c.base_id]
-        for x in reversed(stack):
-            assert x.base_id is not None
-            depth[x.id] = depth[x.base_id] + (x.codec != codec.REF)
-    return depth, below
-
-
-@dataclass
-class _NewBlobs:
-    """The blobs a re-root writes, one per checkpoint it rewrites, from the moment they are
-    named on the garbage table to its commit."""
-
-    keys: dict[int, str]  # checkpoint id -> its new blob
-    old_keys: dict[int, str]  # checkpoint id -> the blob the re-root read
-    garbage_ids: list[int]  # the new blobs' rows on the garbage table
-    rows: dict[int, ChunkUpdate] = field(default_factory=dict)  # chunk id -> its new row
-    stored: dict[int, int] = field(default_factory=dict)  # checkpoint id -> new blob's size
 
 
 def reroot(
@@ -373,39 +239,40 @@ def reroot(
         or _too_deep(catalog, paths, target, policy.max_chain_depth)
     ):
         return None
-    spools = _Spools(scratch)
+    spools = Spools(scratch)
     registered: list[str] = []  # on the garbage table, written or not
     committed = False
+    jobs = [
+        (len(path) * path[0].raw_len, partial(_reverse, decoder, path, policy.zstd_level))
+        for path in paths
+    ]
     try:
         if pool is None:
             with reroot_pool(2) as own:
-                _encode_all(decoder, paths, spools, own, stop, policy)
+                encode_all(jobs, spools, own, stop, policy.bytes_in_flight)
         else:
-            _encode_all(decoder, paths, spools, pool, stop, policy)
-        info_of = {i.id: i for i in infos}
+            encode_all(jobs, spools, pool, stop, policy.bytes_in_flight)
+        info_of = {i.blob_key: i for i in infos}  # a re-root skips checkpoints in parts
         owners = sorted(spools.files)
-        new_keys = {ck: blob_key(run, info_of[ck].step) for ck in owners}
+        new_keys = {old: blob_key(run, info_of[old].step) for old in owners}
         # Named before they exist: a crash from here on leaves only blobs the table names.
         # Due only after the time a crashed upload is given: the collector must not take a
         # blob this re-root is about to commit (and the commit checks that it did not).
         due = datetime.now(UTC) + timedelta(seconds=policy.new_blob_due_s)
         registered = list(new_keys.values())
-        new = _NewBlobs(
-            keys=new_keys,
-            old_keys={ck: info_of[ck].blob_key for ck in owners},  # as the blobs were read
-            garbage_ids=catalog.add_garbage(run, registered, due),
-        )
-        for ck in owners:
+        new = NewBlobs(keys=new_keys, garbage_ids=catalog.add_garbage(run, registered, due))
+        for old in owners:
             if stop is not None and stop.is_set():
                 raise Stopped
-            _rewrite_blob(catalog, store, ck, spools, new)
-        with _run_lock(catalog, run, stop):
+            rows = catalog.chunks(info_of[old].id)
+            rewrite_blob(store, rows, old, spools, new)
+        with polled_run_lock(catalog, run, stop):
             _commit(catalog, run, spools, new, policy.grace_s)
             committed = True  # here: a failure to release the lock must not undo it
     finally:
         spools.close()
         if not committed:
-            _drop_new_blobs(catalog, store, registered)
+            drop_new_blobs(catalog, store, registered)
     log.info(
         "re-rooted %s at step %d: %d chains, %d checkpoints rewritten, in %.2fs",
         run,
@@ -418,7 +285,7 @@ def reroot(
         chains=len(paths),
         chunks=len(spools.chunks),
         checkpoints=len(new.keys),
-        bytes_replaced=sum(info_of[ck].stored_bytes for ck in new.keys),
+        bytes_replaced=sum(info_of[old].stored_bytes for old in new.keys),
         bytes_written=sum(new.stored.values()),
     )
 
@@ -444,7 +311,7 @@ def _too_deep(
     delta: chains that crossed a keyframe through a ref, or re-roots that moved far from a
     segment's first checkpoint, would otherwise let old checkpoints grow ever deeper."""
     upper = {p.id: len(path) - 1 - j for path in paths for j, p in enumerate(path)}
-    depth, below = _new_depths(catalog, upper)
+    depth, below = new_depths(catalog, upper)
     for c in below:
         allowed = limit + (codec.split_cast(c.codec) is not None)
         if depth[c.id] > max(allowed, c.depth):
@@ -458,99 +325,35 @@ def _too_deep(
     return False
 
 
-@contextlib.contextmanager
-def _run_lock(catalog: Catalog, run: str, stop: threading.Event | None) -> Iterator[None]:
-    """The run's lock for the commit, waited for in short tries so that a shutdown does not
-    wait for a long save to end."""
-    while True:
-        with catalog.run_lock(run, blocking=False) as held:
-            if held:
-                yield
-                return
-        if stop is not None and stop.is_set():
-            raise Stopped
-        time.sleep(0.05)
-
-
-def _commit(catalog: Catalog, run: str, spools: _Spools, new: _NewBlobs, grace_s: float) -> None:
+def _commit(catalog: Catalog, run: str, spools: Spools, new: NewBlobs, grace_s: float) -> None:
     """Under the run's lock, once every new blob is durable: the depths of every chunk whose
     chain goes through a rewritten one (saves made meanwhile included), then one
     transaction (:meth:`Catalog.commit_reroot`); the replaced blobs are due ``grace_s``
     later."""
-    depth, below = _new_depths(catalog, {i: s.depth for i, s in spools.chunks.items()})
-    info_of = {i.id: i for i in catalog.list_checkpoints(run)}
+    depth, below = new_depths(catalog, {i: s.depth for i, s in spools.chunks.items()})
+    infos = catalog.list_checkpoints(run)
+    by_id = {i.id: i for i in infos}
+    rewritten = {i.id: i.blob_key for i in infos if i.blob_key in new.keys}
     updates = dict(new.rows)
     checkpoints = []
-    for ck in sorted(set(new.keys) | {c.checkpoint_id for c in below}):
-        rows = catalog.chunks(ck)
-        chain_depth = max((depth.get(c.id, c.depth) for c in rows), default=0)
-        # a keyframe holds no deltas: its chunks are whole (or copies of whole masters)
-        whole = all(
-            depth.get(c.id, c.depth) <= (codec.split_cast(updates.get(c.id, c).codec) is not None)
-            for c in rows
-        )
+    for ck in sorted(set(rewritten) | {c.checkpoint_id for c in below}):
+        old = rewritten.get(ck, by_id[ck].blob_key)
         checkpoints.append(
-            CheckpointUpdate(
-                id=ck,
-                old_blob_key=new.old_keys.get(ck, info_of[ck].blob_key),
-                blob_key=new.keys.get(ck, info_of[ck].blob_key),
-                stored_bytes=new.stored.get(ck, info_of[ck].stored_bytes),
-                chain_depth=chain_depth,
-                keyframe=whole,
+            checkpoint_figures(
+                catalog,
+                ck,
+                depth,
+                updates,
+                old_blob_key=old,
+                blob_key=new.keys.get(old, old),
+                stored_bytes=new.stored.get(old, by_id[ck].stored_bytes),
             )
         )
-        for c in rows:
-            if c.id in updates:
-                updates[c.id] = replace(updates[c.id], depth=depth.get(c.id, updates[c.id].depth))
-            elif depth.get(c.id, c.depth) != c.depth:
-                updates[c.id] = replace(ChunkUpdate.of(c), depth=depth[c.id])
     catalog.commit_reroot(
         run,
         chunks=list(updates.values()),
         checkpoints=checkpoints,
         written=new.garbage_ids,
-        retired=[new.old_keys[ck] for ck in new.keys],
+        retired=list(new.keys),
         not_before=datetime.now(UTC) + timedelta(seconds=grace_s),
     )
-
-
-def _drop_new_blobs(catalog: Catalog, store: BlobStore, keys: list[str]) -> None:
-    """After a failed re-root: delete the blobs it wrote, and their garbage rows; never one
-    that a checkpoint names (a commit that landed although it reported a failure). What
-    cannot be deleted now stays on the table for the collector."""
-    for key in keys:
-        try:
-            if catalog.blob_in_use(key):
-                continue
-            delete_blob(store, key)
-            catalog.forget_garbage(key)
-        except Exception as exc:
-            log.warning("cannot delete blob %r of a failed re-root yet: %s", key, exc)
-
-
-def _rewrite_blob(
-    catalog: Catalog, store: BlobStore, checkpoint_id: int, spools: _Spools, new: _NewBlobs
-) -> None:
-    """Write checkpoint ``checkpoint_id``'s new blob (its rewritten chunks from the spool,
-    the others copied from its old blob); record every row's new place in ``new``."""
-    rows = catalog.chunks(checkpoint_id)
-    reader = WindowReader(store, rows)
-
-    def pieces() -> Iterator[Buffer]:
-        offset = 0
-        for c in rows:
-            spooled = spools.chunks.get(c.id)
-            if spooled is None:
-                data: Buffer = reader.get(c.blob_key, c.blob_offset, c.blob_offset + c.stored_len)
-                row = replace(ChunkUpdate.of(c), blob_offset=offset)
-            else:
-                data = spools.read(checkpoint_id, spooled)
-                row = ChunkUpdate(
-                    c.id, spooled.codec, spooled.base_id, spooled.depth, offset, spooled.size
-                )
-            new.rows[c.id] = row
-            offset += len(data)
-            if len(data):
-                yield data
-
-    new.stored[checkpoint_id] = store.put_stream(new.keys[checkpoint_id], pieces())

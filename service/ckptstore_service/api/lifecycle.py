@@ -1,0 +1,87 @@
+"""HTTP routes that delete (docs/lifecycle.md states the guarantees):
+
+    DELETE /v1/runs/{run}/checkpoints/{step}   one checkpoint (204)
+    DELETE /v1/runs/{run}                      every checkpoint of the run (204)
+
+``latest`` is refused as a step: a delete names what it deletes (two clients deleting
+"the newest" at once would delete two checkpoints).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Response
+from starlette.concurrency import run_in_threadpool
+
+from ckptstore_core.errors import (
+    CheckpointNotFound,
+    CorruptData,
+    InvalidRequest,
+    RunBusy,
+    RunNotFound,
+    StorageUnavailable,
+)
+from ckptstore_service.api.deps import MaintenanceDep, RuntimeDep
+from ckptstore_service.api.openapi import error_responses
+from ckptstore_service.maintenance import RerootPolicy
+from ckptstore_service.maintenance.delete import delete_checkpoint, delete_run
+from ckptstore_service.names import RUN_NAME_RULE, check_run_name, parse_step
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+Run = Annotated[str, Path(description=f"The run's name: {RUN_NAME_RULE}")]
+_ERRORS = (InvalidRequest, RunNotFound, CheckpointNotFound, RunBusy, StorageUnavailable)
+
+
+@router.delete(
+    "/v1/runs/{run:path}/checkpoints/{step}",
+    status_code=204,
+    response_class=Response,
+    responses=error_responses(*_ERRORS, CorruptData),
+)
+async def delete_one(
+    run: Run,
+    step: Annotated[str, Path(description="The step: a non-negative integer (not `latest`)")],
+    rt: RuntimeDep,
+    maintenance: MaintenanceDep,
+) -> Response:
+    """Delete checkpoint `step` of the run. Every other checkpoint loads to the same bytes
+    as before; the ones that rested on it are re-based first (saves to the run wait for
+    that). Its blobs are collected once the grace time for loads in progress has passed."""
+    check_run_name(run)
+    step_n = parse_step(step)
+    assert step_n is not None
+    done = await run_in_threadpool(
+        delete_checkpoint,
+        rt.catalog,
+        rt.store,
+        run,
+        step_n,
+        RerootPolicy.of(rt.settings, rt.budget),
+        scratch=rt.cache.scratch,
+        pool=rt.pool,
+    )
+    rt.cache.forget(run, done.checkpoint.id)
+    maintenance.after_save(run)  # its pass collects the run's garbage once it is due
+    return Response(status_code=204)
+
+
+# no ``:path`` here: one segment only, so that paths deeper under a run (no route's) stay
+# unrouted (404, or 400 for a bad run name) rather than 405 for every other method
+@router.delete(
+    "/v1/runs/{run}",
+    status_code=204,
+    response_class=Response,
+    responses=error_responses(*_ERRORS),
+)
+async def delete_whole_run(run: Run, rt: RuntimeDep, maintenance: MaintenanceDep) -> Response:
+    """Delete every checkpoint of the run. A later save under the same name starts a fresh
+    chain. The blobs are collected once the grace time for loads in progress has passed."""
+    check_run_name(run)
+    await run_in_threadpool(delete_run, rt.catalog, run, rt.settings.garbage_grace_s)
+    rt.cache.forget(run, None)
+    maintenance.after_save(run)
+    return Response(status_code=204)

@@ -1,0 +1,188 @@
+"""Deleting committed checkpoints and runs: the catalog's side of it.
+
+:mod:`ckptstore_service.maintenance.delete` re-bases the chunks that rest on a deleted
+checkpoint's and writes their new blobs; here is the one transaction that then makes the
+delete visible (:func:`commit_delete`), and the one that deletes a whole run
+(:func:`delete_run`). Both are called under the run's lock and its re-root lock.
+
+A deleted checkpoint's row is not removed: it stays as a *tombstone* (status ``deleted``, no
+tensors, chunks, parts, parent or blob), invisible like every row that is not
+``committed``, so that its id is never given to another checkpoint (SQLite reuses the
+largest rowid once its row is gone; the base cache of every replica is keyed by checkpoint
+id). Its blobs go on the garbage table, due after the grace time for loads in progress.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.orm import Session
+
+from ckptstore_core.errors import CheckpointNotFound, CorruptData, RunNotFound
+from ckptstore_service.catalog.db import Database
+from ckptstore_service.catalog.garbage import RerootChanges, apply_rewrite, retire
+from ckptstore_service.catalog.models import (
+    COMMITTED,
+    DELETED,
+    PARTS,
+    Checkpoint,
+    Chunk,
+    Part,
+    Run,
+    TensorRow,
+)
+
+__all__ = [
+    "DeleteChanges",
+    "PartBlob",
+    "commit_delete",
+    "delete_run",
+    "open_parts_step",
+    "part_blobs",
+]
+
+
+def open_parts_step(db: Database, run: str) -> int | None:
+    """The step of a checkpoint of ``run`` being written in parts (uploaded, not committed
+    yet), if there is one: its parts' chunks rest on committed chunks the catalog cannot see
+    yet (a part that is still streaming has no rows)."""
+    query = (
+        select(Checkpoint.step)
+        .join(Run, Run.id == Checkpoint.run_id)
+        .where(Run.name == run, Checkpoint.status == PARTS)
+        .limit(1)
+    )
+    with db.session() as s:
+        step = s.scalar(query)
+    return None if step is None else int(step)
+
+
+@dataclass(frozen=True, slots=True)
+class PartBlob:
+    """A part's blob, as it is (``blob_key``) or as a rewrite leaves it (``new_blob_key``)."""
+
+    part_id: int
+    blob_key: str
+    stored_bytes: int
+    new_blob_key: str = ""
+
+
+def part_blobs(db: Database, checkpoint_id: int) -> list[PartBlob]:
+    """The blobs of checkpoint ``checkpoint_id``'s parts (none unless written in parts)."""
+    query = (
+        select(Part.id, Part.blob_key, Part.stored_bytes)
+        .where(Part.checkpoint_id == checkpoint_id)
+        .order_by(Part.id)
+    )
+    with db.session() as s:
+        return [PartBlob(int(i), k, int(n)) for i, k, n in s.execute(query).all()]
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteChanges:
+    """Everything one delete commit changes."""
+
+    checkpoint_id: int  # the checkpoint deleted
+    rebase: RerootChanges  # the re-based chunks and what follows from them
+    parts: Sequence[PartBlob]  # the parts whose blob the re-base rewrote (new_blob_key set)
+
+
+def commit_delete(db: Database, run: str, changes: DeleteChanges) -> list[str]:
+    """Make a delete visible, in one transaction; returns the deleted checkpoint's blobs
+    (named as garbage, due with the replaced ones).
+
+    The re-base's rows (:func:`.garbage.apply_rewrite`: chunks, checkpoints' figures, new
+    blobs off the garbage table, replaced blobs on it), the parts' new blobs, the
+    checkpoint's children linked to its parent, its tensor, chunk and part rows deleted, its
+    row a tombstone, and ``since_keyframe`` counted again along the run. Raises
+    CheckpointNotFound if the checkpoint is not committed (any more), CorruptData if a blob
+    changed meanwhile; either changes nothing.
+    """
+    x = changes.checkpoint_id
+    with db.session() as s:
+        row = s.execute(
+            select(Checkpoint.status, Checkpoint.parent_id, Checkpoint.blob_key, Checkpoint.run_id)
+            .where(Checkpoint.id == x)
+            .with_for_update()
+        ).first()
+        if row is None or row.status != COMMITTED:
+            raise CheckpointNotFound(f"checkpoint {x} of run {run!r} is gone")
+        for p in changes.parts:
+            moved = s.execute(
+                update(Part)
+                .where(Part.id == p.part_id, Part.blob_key == p.blob_key)
+                .values(blob_key=p.new_blob_key, stored_bytes=p.stored_bytes)
+                .returning(Part.id)
+            ).all()
+            if len(moved) != 1:
+                raise CorruptData(f"part {p.part_id} changed during a delete's re-base")
+        apply_rewrite(s, row.run_id, changes.rebase)
+        s.execute(
+            update(Checkpoint).where(Checkpoint.parent_id == x).values(parent_id=row.parent_id)
+        )
+        blobs = [row.blob_key, *s.scalars(select(Part.blob_key).where(Part.checkpoint_id == x))]
+        _tombstone(s, [x])
+        retire(s, row.run_id, blobs, changes.rebase.not_before)
+        _count_since_keyframe(s, row.run_id)
+    return [k for k in blobs if k]
+
+
+def _tombstone(s: Session, ids: list[int]) -> None:
+    """Delete the rows of checkpoints ``ids`` but their own, which become tombstones."""
+    s.execute(delete(Chunk).where(Chunk.checkpoint_id.in_(ids)))
+    s.execute(delete(TensorRow).where(TensorRow.checkpoint_id.in_(ids)))
+    s.execute(delete(Part).where(Part.checkpoint_id.in_(ids)))
+    s.execute(
+        update(Checkpoint)
+        .where(Checkpoint.id.in_(ids))
+        .values(status=DELETED, blob_key="", parent_id=None)
+    )
+
+
+def _count_since_keyframe(s: Session, run_id: int) -> None:
+    """``since_keyframe`` of the run's committed checkpoints, counted again by step (a save
+    reads its parent's to decide on a keyframe; a delete takes one out of the count)."""
+    rows = s.execute(
+        select(Checkpoint.id, Checkpoint.keyframe, Checkpoint.since_keyframe)
+        .where(Checkpoint.run_id == run_id, Checkpoint.status == COMMITTED)
+        .order_by(Checkpoint.step)
+    ).all()
+    since = -1
+    for checkpoint_id, keyframe, old in rows:
+        since = 0 if keyframe or since < 0 else since + 1
+        if since != old:
+            query = update(Checkpoint).where(Checkpoint.id == checkpoint_id)
+            s.execute(query.values(since_keyframe=since))
+
+
+def delete_run(db: Database, run: str, not_before: datetime) -> tuple[int, list[str]]:
+    """Delete every committed checkpoint of ``run``, in one transaction: each becomes a
+    tombstone, and its blobs (its own, its parts') garbage from ``not_before``. Returns how
+    many went and their blobs; RunNotFound if the run has none.
+
+    The run's row stays: the garbage rows name it (and would go with it), and a later save
+    under the same name starts a fresh chain in it. Chunks of other runs never rest on this
+    run's (a run's saves diff against its own checkpoints only).
+    """
+    with db.session() as s:
+        run_id = s.scalar(select(Run.id).where(Run.name == run).with_for_update())
+        rows = (
+            []
+            if run_id is None
+            else s.execute(
+                select(Checkpoint.id, Checkpoint.blob_key).where(
+                    Checkpoint.run_id == run_id, Checkpoint.status == COMMITTED
+                )
+            ).all()
+        )
+        if run_id is None or not rows:
+            raise RunNotFound(f"run {run!r} has no checkpoints")
+        ids = [int(i) for i, _ in rows]
+        blobs = [k for _, k in rows]
+        blobs += s.scalars(select(Part.blob_key).where(Part.checkpoint_id.in_(ids))).all()
+        _tombstone(s, ids)
+        retire(s, run_id, blobs, not_before)
+    return len(ids), [k for k in blobs if k]

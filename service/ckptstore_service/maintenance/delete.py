@@ -1,0 +1,319 @@
+"""Deleting a checkpoint, or a whole run, without changing a byte that any other checkpoint
+loads to (invariant 7).
+
+Any checkpoint X may go: the newest, the oldest, a keyframe, the middle of a chain. The
+chunks of other checkpoints whose base is one of X's (later deltas and refs; after a
+re-root, earlier ones too) are *re-based*: each is decoded, re-encoded against the first
+chunk on its base's chain that is not X's (or where there is none, or the chain runs into a
+bf16/f16 copy's fp32 master: the first chunk resting on the same chunk of X is stored whole
+and the others are re-encoded against it, so refs to a frozen tensor stay refs; whole
+wherever a delta does not pay), and the new encoding is decoded back and checked against
+the chunk's checksum before anything is written. Chunk rows keep their ids and raw bytes;
+only codec, base, depth and place in a blob change, exactly as in a re-root
+(:mod:`.rewrite` holds what both share). Chains never get deeper: a re-based delta skips
+one link.
+
+What keeps it safe:
+
+* The run's re-root lock and its lock are held from the first read to the commit: no save,
+  commit of parts or re-root of the run interleaves (saves to the run wait for a delete).
+  A run with a checkpoint being written in parts (uploaded, not committed) refuses deletes
+  (:class:`~ckptstore_core.errors.RunBusy`): its parts may rest on X's chunks without the
+  catalog knowing yet.
+* Every blob holding a re-based chunk (a checkpoint's own, or one of its parts') is written
+  anew under a new key, named on the garbage table before it is written. One transaction
+  (:meth:`Catalog.commit_delete`) then commits the new rows, takes the new blobs off the
+  table, puts the replaced blobs and X's own on it due after ``garbage_grace_s``, links X's
+  children to X's parent, recomputes the depths and keyframe flags of everything whose
+  chain went through X, and leaves X's row as a tombstone (its id is never reused). A crash
+  before that commit leaves X whole and the new blobs on the table; after it, X is gone
+  and its blobs wait on the table. Either way the next collection finds every extra blob.
+* Loads in flight keep reading the rows they read and the old blobs, which stay for the
+  grace time; a load that starts after the commit gets 404 for X
+  (:class:`~ckptstore_service.restore.Loader` turns a checkpoint that vanished between its
+  catalog reads into a 404) and the exact bytes of every other checkpoint.
+* A deleted checkpoint's base-cache file is never served nor used as a save's base: the
+  cache is keyed by checkpoint id, and X's id never names another checkpoint
+  (:mod:`ckptstore_service.cache_policy`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
+from functools import partial
+from pathlib import Path
+
+from ckptstore_core import codec
+from ckptstore_core.errors import CorruptData, RunBusy
+from ckptstore_service.catalog import (
+    Catalog,
+    CheckpointRecord,
+    CheckpointUpdate,
+    ChunkInfo,
+    DeleteChanges,
+    PartBlob,
+)
+from ckptstore_service.catalog.garbage import RerootChanges
+from ckptstore_service.chains import ChainDecoder
+from ckptstore_service.maintenance.reroot import RerootPolicy
+from ckptstore_service.maintenance.rewrite import (
+    NewBlobs,
+    Rewrite,
+    Spools,
+    checked,
+    checkpoint_figures,
+    drop_new_blobs,
+    encode_all,
+    rewrite_blob,
+)
+from ckptstore_service.names import blob_key
+from ckptstore_service.storage import BlobStore
+
+__all__ = ["Deleted", "delete_checkpoint", "delete_run"]
+
+log = logging.getLogger("ckptstore")
+
+
+@dataclass(frozen=True, slots=True)
+class Deleted:
+    """What one delete did: the checkpoint that went, the chunks of other checkpoints it
+    re-based, the blobs it wrote in place of others and their bytes, and the stored bytes
+    that go once the garbage is collected (X's blobs, and the replaced blobs less the new)."""
+
+    checkpoint: CheckpointRecord
+    chunks: int
+    blobs: int
+    bytes_rewritten: int
+    bytes_freed: int
+    seconds: float
+
+
+def _check_not_busy(catalog: Catalog, run: str) -> None:
+    step = catalog.open_parts_step(run)
+    if step is not None:
+        raise RunBusy(
+            f"run {run!r} has a checkpoint being written in parts (step {step}): delete "
+            "once it is committed (or abandoned: CKPTSTORE_PARTS_TTL_S)"
+        )
+
+
+def delete_checkpoint(
+    catalog: Catalog,
+    store: BlobStore,
+    run: str,
+    step: int,
+    policy: RerootPolicy,
+    *,
+    scratch: Path,
+    pool: Executor,
+) -> Deleted:
+    """Delete checkpoint ``step`` of ``run`` (see the module's docstring); returns what it
+    did. Raises RunNotFound / CheckpointNotFound if there is none, RunBusy while the run has
+    a checkpoint being written in parts. Takes the run's re-root lock, then its lock, and
+    holds both throughout. ``pool`` runs the decoding and encoding; the new encodings are
+    spooled to unnamed files in ``scratch``. A delete that fails changes no row and deletes
+    what it wrote."""
+    t0 = time.perf_counter()
+    with catalog.reroot_lock(run), catalog.run_lock(run):
+        x = catalog.get(run, step)
+        _check_not_busy(catalog, run)
+        deps = catalog.dependents(x.id)
+        spools = Spools(scratch)
+        registered: list[str] = []  # on the garbage table, written or not
+        committed = False
+        try:
+            new, rebased = _rebase(catalog, store, x, deps, spools, pool, policy)
+            registered = list(new.keys.values())
+            changes, replaced = _changes(catalog, x, rebased, spools, new, policy.grace_s)
+            catalog.commit_delete(run, changes)
+            committed = True
+        finally:
+            spools.close()
+            if not committed:
+                drop_new_blobs(catalog, store, registered)
+    written = sum(new.stored.values())
+    done = Deleted(
+        checkpoint=x,
+        chunks=len(spools.chunks),
+        blobs=len(new.keys),
+        bytes_rewritten=written,
+        bytes_freed=x.stored_bytes + replaced - written,
+        seconds=time.perf_counter() - t0,
+    )
+    log.info(
+        "deleted %s/%d: %d chunks of %d blobs re-based (%d bytes written), in %.2fs",
+        run,
+        step,
+        done.chunks,
+        done.blobs,
+        written,
+        done.seconds,
+    )
+    return done
+
+
+def _new_base(closure: dict[int, ChunkInfo], gone: set[int], d: ChunkInfo) -> ChunkInfo | None:
+    """What ``d`` (whose base is a chunk of the deleted checkpoint, ids ``gone``) is
+    re-encoded against: the first chunk on its base's chain that is not going, if it holds
+    the same items; None (stored whole) where the chain ends first, or runs into a copy's
+    fp32 master (another tensor)."""
+    assert d.base_id is not None
+    c = closure[d.base_id]
+    while c.id in gone:
+        if c.base_id is None or codec.split_cast(c.codec) is not None:
+            return None
+        c = closure[c.base_id]
+    return c if (c.raw_len, c.itemsize) == (d.raw_len, d.itemsize) else None
+
+
+def _rebase_chunk(
+    decoder: ChainDecoder, d: ChunkInfo, base: ChunkInfo | None, level: int
+) -> list[Rewrite]:
+    """``d`` re-encoded against ``base`` (or whole, where that delta does not pay), checked."""
+    raw = decoder.decode(d)
+    base_raw = None if base is None else decoder.decode(base)
+    enc = codec.encode_chunk(raw, base_raw, d.itemsize, level)
+    if base_raw is not None and enc.codec != codec.REF and not codec.is_delta(enc.codec):
+        base, base_raw = None, None  # whole: it must name no base
+    checked(enc, base_raw, d)
+    base_id = None if base is None else base.id
+    return [Rewrite(d, enc.codec, base_id, 0, enc.parts)]  # depth: set at the commit
+
+
+def _rebase(
+    catalog: Catalog,
+    store: BlobStore,
+    x: CheckpointRecord,
+    deps: list[ChunkInfo],
+    spools: Spools,
+    pool: Executor,
+    policy: RerootPolicy,
+) -> tuple[NewBlobs, dict[int, ChunkInfo]]:
+    """Re-encode ``deps`` (the chunks resting on ``x``'s) into ``spools`` and write the
+    new blobs of the blobs holding them, named on the garbage table first. Returns them, and
+    the rows the re-base read (the re-based chunks, their chains, their new bases)."""
+    if not deps:
+        return NewBlobs(keys={}, garbage_ids=[]), {}
+    closure: dict[int, ChunkInfo] = {}
+    for ck in sorted({d.checkpoint_id for d in deps}):
+        closure.update(catalog.chunk_tree(ck)[1])
+    gone = {c.id for c in catalog.chunks(x.id)}
+    decoder = ChainDecoder(store, closure, 2 * policy.bytes_in_flight)
+    jobs = []
+    # where a chain ends in the deleted checkpoint, the first chunk resting on it is stored
+    # whole and the others rest on that one: a frozen tensor's refs stay refs
+    holders: dict[int | None, ChunkInfo] = {}
+    for d in deps:
+        base = _new_base(closure, gone, d)
+        if base is None:
+            holder = holders.setdefault(d.base_id, d)
+            base = None if holder is d else holder
+        size = d.raw_len * (1 if base is None else 2)
+        jobs.append((size, partial(_rebase_chunk, decoder, d, base, policy.zstd_level)))
+    encode_all(jobs, spools, pool, None, policy.bytes_in_flight)
+    step_of = {i.id: i.step for i in catalog.list_checkpoints(x.run)}
+    owner = {d.blob_key: d.checkpoint_id for d in deps}
+    keys = {old: blob_key(x.run, step_of[owner[old]]) for old in sorted(spools.files)}
+    # Named before they exist: a crash from here on leaves only blobs the table names.
+    # Due only after the time a crashed upload is given: the collector must not take a
+    # blob this delete is about to commit (and the commit checks that it did not).
+    due = datetime.now(UTC) + timedelta(seconds=policy.new_blob_due_s)
+    new = NewBlobs(keys=keys, garbage_ids=catalog.add_garbage(x.run, keys.values(), due))
+    for old in keys:
+        rows = [c for c in catalog.chunks(owner[old]) if c.blob_key == old]
+        rewrite_blob(store, rows, old, spools, new)
+    return new, closure
+
+
+def _depths(
+    spools: Spools, rows: dict[int, ChunkInfo], below: dict[int, ChunkInfo]
+) -> dict[int, int]:
+    """The new depth of every re-based chunk and of every chunk whose chain goes through
+    one (``below``): its base's depth, plus one unless it is a ref (a ref is its base).
+    ``rows``: what the re-base read, the new bases included."""
+    changed = {i: (s.codec, s.base_id) for i, s in spools.chunks.items()}
+    depth: dict[int, int] = {}
+
+    def of(i: int, seen: frozenset[int] = frozenset()) -> int:
+        if i in depth:
+            return depth[i]
+        if i in seen:
+            raise CorruptData(f"a delete's re-base would make chunk {i}'s chain a cycle")
+        if i in changed:
+            kind, base = changed[i]
+        elif i in below:
+            kind, base = below[i].codec, below[i].base_id
+        else:  # a new base whose chain no re-base touched
+            return rows[i].depth
+        depth[i] = 0 if base is None else of(base, seen | {i}) + (kind != codec.REF)
+        return depth[i]
+
+    for i in (*changed, *below):
+        of(i)
+    return depth
+
+
+def _changes(
+    catalog: Catalog,
+    x: CheckpointRecord,
+    rows: dict[int, ChunkInfo],
+    spools: Spools,
+    new: NewBlobs,
+    grace_s: float,
+) -> tuple[DeleteChanges, int]:
+    """The delete's commit, and the bytes of the blobs it replaces."""
+    below: dict[int, ChunkInfo] = {}
+    if spools.chunks:
+        found = catalog.descendants(spools.chunks.keys())
+        below = {c.id: c for c in found if c.checkpoint_id != x.id}
+    depth = _depths(spools, rows, below)
+    affected = {c.checkpoint_id for c in below.values()}
+    affected |= {rows[i].checkpoint_id for i in spools.chunks}
+    by_id = {i.id: i for i in catalog.list_checkpoints(x.run)}
+    updates = dict(new.rows)
+    checkpoints: list[CheckpointUpdate] = []
+    parts: list[PartBlob] = []
+    replaced = 0
+    for ck in sorted(affected):
+        info = by_id[ck]
+        own = catalog.part_blobs(ck)
+        if own:  # written in parts: its chunks live in its parts' blobs
+            stored = 0
+            for p in own:
+                if p.blob_key in new.keys:
+                    replaced += p.stored_bytes
+                    size = new.stored[p.blob_key]
+                    parts.append(replace(p, new_blob_key=new.keys[p.blob_key], stored_bytes=size))
+                stored += new.stored.get(p.blob_key, p.stored_bytes)
+            old = key = info.blob_key
+        else:
+            old = info.blob_key
+            key = new.keys.get(old, old)
+            stored = new.stored.get(old, info.stored_bytes)
+            replaced += info.stored_bytes if old in new.keys else 0
+        checkpoints.append(checkpoint_figures(catalog, ck, depth, updates, old, key, stored))
+    rebase = RerootChanges(
+        chunks=list(updates.values()),
+        checkpoints=checkpoints,
+        written=new.garbage_ids,
+        retired=list(new.keys),
+        not_before=datetime.now(UTC) + timedelta(seconds=grace_s),
+    )
+    return DeleteChanges(x.id, rebase, parts), replaced
+
+
+def delete_run(catalog: Catalog, run: str, grace_s: float) -> int:
+    """Delete every checkpoint of ``run``: their blobs (their own, their parts') go on the
+    garbage table due after ``grace_s``, their rows go (the checkpoints' own stay as
+    tombstones). Returns how many went; RunNotFound if none, RunBusy while the run has a
+    checkpoint being written in parts. Under the run's re-root lock and its lock."""
+    with catalog.reroot_lock(run), catalog.run_lock(run):
+        _check_not_busy(catalog, run)
+        due = datetime.now(UTC) + timedelta(seconds=grace_s)
+        count, blobs = catalog.delete_run(run, due)
+    log.info("deleted run %s: %d checkpoints, %d blobs to collect", run, count, len(blobs))
+    return count

@@ -1,0 +1,260 @@
+"""Deleting checkpoints and runs (issue 20, item 1): whatever goes, every remaining checkpoint
+loads bit-exactly, during and after, and after a collection with grace 0 the blob store
+holds exactly the blobs the catalog names; on SQLite, and on PostgreSQL for the races."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from ckptstore import CheckpointClient
+from ckptstore_core.errors import CheckpointNotFound, InvalidRequest, RunNotFound
+from ckptstore_service.maintenance import collect_garbage
+from ckptstore_service.runtime import Runtime
+from ckptstore_service.settings import Settings
+from support.blobs import blob_files, catalog_blobs, garbage_blobs
+from support.serviceproc import Service, wait_idle
+from support.states import assert_same_state, training_states
+from support.waiting import wait_until
+
+ENV = {
+    "CKPTSTORE_REROOT_DEPTH": "0",
+    "CKPTSTORE_REROOT_QUIET_S": "0",
+    "CKPTSTORE_KEYFRAME_INTERVAL": "4",  # keyframes at steps 0, 4, 8
+    "CKPTSTORE_GARBAGE_GRACE_S": "0",
+    # small chunks: each tensor several chunks, refs (the frozen embedding) across the run
+    "CKPTSTORE_CHUNK_BYTES": str(64 << 10),
+}
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def states() -> list[dict[str, Any]]:
+    return training_states(STEPS + 1)
+
+
+def check_run(
+    client: CheckpointClient, run: str, states: list[dict[str, Any]], steps: list[int]
+) -> None:
+    """The run holds exactly ``steps``, each loading to its state; ``latest`` is the last."""
+    assert [i.step for i in client.list(run)] == steps
+    for step in steps:
+        assert_same_state(states[step], client.load(run, step), path=f"step {step}")
+    assert_same_state(states[steps[-1]], client.load(run), path="latest")
+
+
+def check_store(svc: Service, client: CheckpointClient) -> int:
+    """Once the service collected its garbage (grace 0): the blob folder holds exactly the
+    blobs the catalog names, of the sizes it records. Returns their total size."""
+    wait_idle(svc.url)
+    db = svc.data_dir / "catalog.sqlite3"
+    files = blob_files(svc.data_dir)
+    assert set(files) == catalog_blobs(db)
+    assert not garbage_blobs(db)
+    stored = sum(r.stored_bytes for r in client.runs())
+    assert sum(files.values()) == stored
+    return stored
+
+
+def test_delete_anywhere_in_a_chain_keeps_the_rest_exact(
+    make_service: Callable[..., Service], states: list[dict[str, Any]]
+) -> None:
+    svc = make_service(env=ENV)
+    client = CheckpointClient(svc.url)
+    for step in range(STEPS):
+        client.save("r", step, states[step])
+    infos = {i.step: i for i in client.list("r")}
+    assert [s for s, i in infos.items() if i.keyframe] == [0, 4, 8]
+    steps = list(range(STEPS))
+    stored = check_store(svc, client)
+    # the middle of a chain, a keyframe (its successors rested on it), the newest, the oldest
+    for gone in (5, 4, 9, 0):
+        client.delete("r", gone)
+        steps.remove(gone)
+        check_run(client, "r", states, steps)
+        with pytest.raises(CheckpointNotFound):
+            client.load("r", gone)
+        now = check_store(svc, client)
+        assert now < stored, (gone, now, stored)
+        stored = now
+    infos = {i.step: i for i in client.list("r")}
+    assert infos[6].parent_step == 3 and infos[1].parent_step is None
+    assert infos[1].keyframe and infos[1].chain_depth <= 1  # whole now (bf16: casts)
+    with pytest.raises(CheckpointNotFound):
+        client.delete("r", 5)
+    with pytest.raises(RunNotFound):
+        client.delete("nope", 1)
+    latest = httpx.delete(f"{svc.url}/v1/runs/r/checkpoints/latest")  # a delete names its step
+    assert latest.status_code == 400
+    assert latest.json()["error"]["code"] == InvalidRequest.code
+    # a save after deleting the newest diffs against the new latest
+    info = client.save("r", STEPS, states[STEPS])
+    assert info.parent_step == 8 and not info.keyframe and info.chain_depth > 0
+    assert info.stored_bytes < infos[8].stored_bytes  # a delta of the keyframe at 8
+    check_run(client, "r", states, [*steps, STEPS])
+    # after a restart (no base cache: every load decodes from storage)
+    svc.stop()
+    for p in (svc.data_dir / "cache").rglob("*.bin"):
+        p.unlink()
+    svc.start()
+    check_run(client, "r", states, [*steps, STEPS])
+
+
+def test_delete_a_run(make_service: Callable[..., Service], states: list[dict[str, Any]]) -> None:
+    svc = make_service(env=ENV)
+    client = CheckpointClient(svc.url)
+    for step in range(5):
+        client.save("gone", step, states[step])
+        client.save("kept", step, states[step])
+    client.delete_run("gone")
+    with pytest.raises(RunNotFound):
+        client.list("gone")
+    with pytest.raises(RunNotFound):
+        client.delete_run("gone")
+    assert [r.name for r in client.runs()] == ["kept"]
+    check_run(client, "kept", states, list(range(5)))
+    check_store(svc, client)
+    assert not any(k.startswith("runs/gone/") for k in blob_files(svc.data_dir))
+    # the name starts a fresh chain
+    info = client.save("gone", 7, states[7])
+    assert info.parent_step is None and info.keyframe
+    check_run(client, "gone", states, [7])
+
+
+def test_delete_in_a_rerooted_chain(
+    make_service: Callable[..., Service], states: list[dict[str, Any]]
+) -> None:
+    """After a re-root, checkpoints before the root are deltas of later ones: deleting the
+    root re-bases both sides."""
+    env = {**ENV, "CKPTSTORE_REROOT_DEPTH": "4", "CKPTSTORE_KEYFRAME_INTERVAL": "100"}
+    svc = make_service(env=env)
+    client = CheckpointClient(svc.url)
+    for step in range(8):
+        client.save("rr", step, states[step])
+    wait_idle(svc.url)
+    infos = client.list("rr")
+    root = min(infos, key=lambda i: i.chain_depth).step
+    assert root > 0  # re-rooted: the chain runs both ways from it
+    steps = list(range(8))
+    for gone in (root, root - 1):
+        client.delete("rr", gone)
+        steps.remove(gone)
+        check_run(client, "rr", states, steps)
+        check_store(svc, client)
+
+
+def test_loads_during_deletes_are_exact_or_not_found(
+    make_service: Callable[..., Service], database_url: str, states: list[dict[str, Any]]
+) -> None:
+    """Loads of every step race the deletes (grace time at its default): each one is the
+    exact state, or CheckpointNotFound for a step being or having been deleted."""
+    env = {**ENV, "CKPTSTORE_DATABASE_URL": database_url, "CKPTSTORE_GARBAGE_GRACE_S": "3600"}
+    svc = make_service(env=env)
+    client = CheckpointClient(svc.url)
+    for step in range(STEPS):
+        client.save("l", step, states[step])
+    doomed: set[int] = set()  # steps whose delete has begun
+    done = threading.Event()
+    errors: list[BaseException] = []
+    counts = {"exact": 0, "gone": 0}
+
+    def loader(seed: int) -> None:
+        rng = random.Random(seed)
+        reader = CheckpointClient(svc.url)
+        try:
+            while not done.is_set():
+                step = rng.randrange(STEPS)
+                try:
+                    got = reader.load("l", step)
+                except CheckpointNotFound:
+                    assert step in doomed, f"step {step} was not deleted"
+                    counts["gone"] += 1
+                    continue
+                assert_same_state(states[step], got, path=f"step {step}")
+                counts["exact"] += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loader, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for gone in (3, 6, 9, 0, 1):
+            wait_until(lambda n=counts["exact"] + 4: counts["exact"] >= n or bool(errors), 60)
+            doomed.add(gone)
+            client.delete("l", gone)
+    finally:
+        done.set()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors[0]
+    assert counts["exact"] >= 20
+    check_run(client, "l", states, [2, 4, 5, 7, 8])
+
+
+def test_sigkill_during_a_delete_loses_nothing(
+    make_service: Callable[..., Service], tmp_path: Path
+) -> None:
+    """SIGKILL once the delete's new blobs are named (its re-base is writing them): after a
+    restart the deleted checkpoint is either whole or gone, every other one loads exactly,
+    and a collection leaves exactly the blobs the catalog names."""
+    torch.manual_seed(5)
+    w = torch.randn(1 << 21)
+    frozen = torch.randn(1 << 21)  # its refs rest on step 0: every later blob is rewritten
+    states = []
+    for _ in range(6):
+        w += 1e-3 * torch.randn_like(w)
+        states.append({"w": w.clone(), "frozen": frozen.clone()})
+    data = tmp_path / "data"
+    env = {**ENV, "CKPTSTORE_CHUNK_BYTES": str(1 << 20), "CKPTSTORE_KEYFRAME_INTERVAL": "100"}
+    svc = make_service(env=env, data_dir=data)
+    client = CheckpointClient(svc.url)
+    for step, state in enumerate(states):
+        client.save("k", step, state)
+    db = data / "catalog.sqlite3"
+    before = set(blob_files(data))
+    answer: list[object] = []
+
+    def delete() -> None:
+        try:
+            answer.append(httpx.delete(f"{svc.url}/v1/runs/k/checkpoints/0", timeout=60))
+        except httpx.TransportError as exc:
+            answer.append(exc)
+
+    thread = threading.Thread(target=delete)
+    thread.start()
+    # the new blobs are named on the garbage table before the first is written
+    wait_until(lambda: garbage_blobs(db) - before or answer, 30, interval=0.002)
+    svc.kill()
+    thread.join(60)
+    assert isinstance(answer[0], httpx.TransportError), "the delete ended before the kill"
+    svc.start()
+    steps = [i.step for i in client.list("k")]
+    assert steps in ([0, 1, 2, 3, 4, 5], [1, 2, 3, 4, 5])
+    for step in steps:
+        assert_same_state(states[step], client.load("k", step), path=f"step {step}")
+    svc.stop()
+    named = catalog_blobs(db)
+    assert set(blob_files(data)) <= named | garbage_blobs(db)
+    # the new blobs' rows are due once a crashed upload's time is over: collect as then
+    settings = Settings(data_dir=data)
+    rt = Runtime.open(settings)
+    try:
+        later = datetime.now(UTC) + timedelta(seconds=settings.incomplete_upload_ttl_s + 1)
+        collect_garbage(rt.catalog, rt.store, None, now=later)
+    finally:
+        rt.close()
+    assert set(blob_files(data)) == named
+    svc.start()
+    if steps[0] == 0:
+        client.delete("k", 0)
+    check_run(client, "k", states, [1, 2, 3, 4, 5])
+    check_store(svc, client)

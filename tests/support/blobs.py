@@ -1,0 +1,33 @@
+"""What a local blob store holds, and what a SQLite catalog names: a test compares the two
+after a collection with grace 0 (nothing orphaned, nothing lost)."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+__all__ = ["blob_files", "catalog_blobs", "garbage_blobs"]
+
+
+def blob_files(data_dir: Path) -> dict[str, int]:
+    """Every blob in the service's local store (``<data_dir>/blobs``) and its size, partial
+    writes left out."""
+    root = data_dir / "blobs"
+    return {
+        str(p.relative_to(root)): p.stat().st_size
+        for p in root.rglob("*.blob")
+        if p.is_file() and p.relative_to(root).parts[0] != "tmp"
+    }
+
+
+def catalog_blobs(db_file: Path) -> set[str]:
+    """The blobs that rows of the SQLite catalog ``db_file`` name: checkpoints' and parts'."""
+    with sqlite3.connect(db_file) as db:
+        rows = db.execute("SELECT blob_key FROM checkpoints UNION SELECT blob_key FROM parts")
+        return {k for (k,) in rows if k}
+
+
+def garbage_blobs(db_file: Path) -> set[str]:
+    """The blobs on the SQLite catalog's garbage table."""
+    with sqlite3.connect(db_file) as db:
+        return {k for (k,) in db.execute("SELECT blob_key FROM garbage")}
