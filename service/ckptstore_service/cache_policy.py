@@ -42,7 +42,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,9 +81,12 @@ class CachePolicy:
         self._warmer = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-cache-fill")
         self._warming: set[tuple[str, int]] = set()
         self._warming_lock = threading.Lock()
+        self._closing = threading.Event()
 
     def close(self) -> None:
-        """Stop the background fills: a queued one is dropped, a running one finishes."""
+        """Stop the background fills: queued ones are dropped, a running one is abandoned
+        (its file discarded)."""
+        self._closing.set()
         self._warmer.shutdown(wait=True, cancel_futures=True)
 
     def open(self, run: str, checkpoint_id: int, path: CachePath = "load") -> int | None:
@@ -160,7 +163,7 @@ class CachePolicy:
         self._install_if_latest(run, parent.id, tmp, parent.raw_bytes, ANY)
         return fd
 
-    def fill(self, info: CheckpointRecord, data: Iterator[Piece]) -> Iterator[Piece]:
+    def fill(self, info: CheckpointRecord, data: Iterator[Piece]) -> Generator[Piece, None, None]:
         """Pass a load's decoded data through, keeping a copy as the run's base cache if the
         checkpoint is its latest and no newer one is installed by the time it ends."""
         latest = self._catalog.find(info.run, None)
@@ -207,18 +210,17 @@ class CachePolicy:
                 self._warming.discard(key)
 
     def _warm(self, info: CheckpointRecord) -> None:
+        """A background fill: the checkpoint decoded from storage through :meth:`fill`
+        (which installs it under the one rule), abandoned at :meth:`close`."""
         try:
             latest = self._catalog.find(info.run, None)
-            before = self.cache.current(info.run)
-            if latest is None or latest.id != info.id or before == info.id:
+            if latest is None or latest.id != info.id or self.cache.current(info.run) == info.id:
                 return
-            tmp = self.cache.new_file(info.run)
-            try:
-                self._source.materialize(info, tmp)
-            except BaseException:
-                self.cache.discard(tmp)
-                raise
-            self._install_if_latest(info.run, info.id, tmp, info.raw_bytes, before)
+            data = self._source.stream(info, self._catalog.tensors(info.id))
+            with contextlib.closing(self.fill(info, data)) as filling:
+                for _ in filling:
+                    if self._closing.is_set():
+                        return  # closing the fill discards its file
             log.info("cached %s/%d: %d bytes decoded", info.run, info.step, info.raw_bytes)
         except Exception:
             log.exception("could not cache %s/%d", info.run, info.step)
