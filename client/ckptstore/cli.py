@@ -1,4 +1,5 @@
-"""The ``ckptstore`` command: list, measure, download and upload a service's checkpoints.
+"""The ``ckptstore`` command: list, measure, download, upload and delete a service's
+checkpoints.
 
 The service's own commands (``serve``, ``db``) are ``ckptstore-service``'s. Reference:
 docs/cli.md. Exit status: 0 done, 1 an error (the service's, an unreachable service, a bad
@@ -193,6 +194,26 @@ def _load_torch(path: Path) -> Any:
         raise _UserError(f"{path}: torch.load(weights_only=True) refused it: {first}") from exc
 
 
+def _rm(args: argparse.Namespace) -> int:
+    """Delete checkpoints (``RUN@STEP``) or whole runs (``RUN``, with ``--yes``), in order;
+    the first error stops the command."""
+    whole = [run for run, step in args.targets if step is None]
+    if whole and not args.yes:
+        raise _UserError(
+            f"deleting every checkpoint of run {whole[0]!r}: add --yes (or name a step, "
+            f"{whole[0]}@STEP)"
+        )
+    with _client(args) as client:
+        for run, step in args.targets:
+            if step is None:
+                client.delete_run(run)
+                print(f"deleted run {run}")
+            else:
+                client.delete(run, step)
+                print(f"deleted {run}@{step}")
+    return 0
+
+
 def _progress(args: argparse.Namespace) -> bool:
     """A bar when asked for (``--progress``, or refused with ``--no-progress``); otherwise
     when stderr is a terminal and tqdm is installed."""
@@ -218,6 +239,21 @@ def _checkpoint_ref(text: str) -> tuple[str, int | str]:
         raise argparse.ArgumentTypeError(
             f"{text!r}: STEP must be a non-negative integer or 'latest'"
         ) from None
+
+
+def _delete_ref(text: str) -> tuple[str, int | None]:
+    """``RUN[@STEP]`` -> (run, step, or None for the whole run); a delete names its step."""
+    run, at, step = text.partition("@")
+    if not run or (at and not step):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected RUN or RUN@STEP")
+    if not at:
+        return run, None
+    if step == "latest":
+        raise argparse.ArgumentTypeError(f"{text!r}: a delete names its step, not 'latest'")
+    try:
+        return run, _step(step)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: STEP must be a non-negative integer") from None
 
 
 def _step(text: str) -> int:
@@ -304,6 +340,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN")
     p.add_argument("step", metavar="STEP", type=_step, help="a non-negative integer")
     p.set_defaults(func=_push)
+
+    p = sub.add_parser(
+        "rm", parents=[common], help="delete checkpoints (RUN@STEP) or whole runs (RUN --yes)"
+    )
+    p.add_argument(
+        "targets", metavar="RUN[@STEP]", nargs="+", type=_delete_ref,
+        help="RUN@STEP: that checkpoint (the others keep their bytes); RUN: every checkpoint "
+        "of the run (needs --yes)",
+    )  # fmt: skip
+    p.add_argument("-y", "--yes", action="store_true", help="allow deleting whole runs")
+    p.set_defaults(func=_rm)
     return parser
 
 
