@@ -14,6 +14,8 @@ the same class, so ``except CheckpointNotFound`` works on both sides of the wire
     ├── CheckpointExists          409 checkpoint_exists same step, different content
     ├── RunBusy                   409 run_busy          the run is in a state that refuses
     │                                                     the request now (retry later)
+    ├── CheckpointPinned          409 checkpoint_pinned a delete of a pinned checkpoint
+    │                                                     (unpin it first)
     ├── PayloadTooLarge           413 payload_too_large header or body over the limits
     ├── CorruptData               500 corrupt_data      checksum mismatch on read
     ├── InternalError             500 internal_error    a bug: anything not translated
@@ -29,6 +31,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointExists",
     "CheckpointNotFound",
+    "CheckpointPinned",
     "CkptStoreError",
     "CorruptData",
     "InternalError",
@@ -111,6 +114,14 @@ class RunBusy(CkptStoreError):
     being written in parts (uploaded, not committed). Retry once that is over."""
 
     code = "run_busy"
+    status = 409
+
+
+class CheckpointPinned(CkptStoreError):
+    """A delete names a pinned checkpoint (or a run holding one): pinned checkpoints are
+    never deleted, by hand or by retention. Unpin it first. Never retried."""
+
+    code = "checkpoint_pinned"
     status = 409
 
 
