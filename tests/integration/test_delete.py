@@ -17,12 +17,13 @@ import torch
 
 from ckptstore import CheckpointClient
 from ckptstore.cli import main
-from ckptstore_core.errors import CheckpointNotFound, InvalidRequest, RunNotFound
+from ckptstore_core.errors import CheckpointNotFound, InvalidRequest, RunBusy, RunNotFound
 from ckptstore_service.catalog import Catalog
 from ckptstore_service.maintenance import collect_garbage
 from ckptstore_service.settings import Settings
 from ckptstore_service.storage import open_blob_store
 from support.blobs import blob_files, catalog_blobs, garbage_blobs
+from support.parts import commit, save_in_parts, shards, tensors_of
 from support.serviceproc import Service, wait_idle
 from support.states import assert_same_state, training_states
 from support.waiting import wait_until
@@ -291,3 +292,41 @@ def test_ckptstore_rm(
         main(["rm", "--url", svc.url, "c@latest"])
     assert usage.value.code == 2
     assert "names its step" in capsys.readouterr().err
+
+
+def test_delete_checkpoints_written_in_parts(make_service: Callable[..., Service]) -> None:
+    """Chunks live in the parts' blobs: re-basing rewrites those (the catalog names every
+    blob after), and a run with a checkpoint still being written in parts refuses deletes."""
+    svc = make_service(env=ENV)
+    client = CheckpointClient(svc.url)
+    expected = {}
+    for step in range(4):
+        bodies = save_in_parts(svc.url, "p", step)
+        assert commit(svc.url, "p", step, ["rank-0", "rank-1"]).status_code == 201
+        expected[step] = {n: a.tobytes() for body in bodies for n, a in body.items()}
+    assert all(i.parts == 2 for i in client.list("p"))
+    steps = [0, 1, 2, 3]
+    for gone in (1, 0):
+        named = catalog_blobs(svc.data_dir / "catalog.sqlite3")
+        client.delete("p", gone)
+        # the next step's parts rested on it (later ones may too): both blobs written anew
+        new = catalog_blobs(svc.data_dir / "catalog.sqlite3") - named
+        assert sum(k.startswith("runs/p/2-") for k in new) == 2, new
+        steps.remove(gone)
+        assert [i.step for i in client.list("p")] == steps
+        for step in steps:
+            got = httpx.get(f"{svc.url}/v1/runs/p/checkpoints/{step}", timeout=60)
+            assert tensors_of(got.content) == expected[step], step
+        check_store(svc, client)
+    save_in_parts(svc.url, "p", 9)  # uploaded, not committed: its parts rest on step 3
+    with pytest.raises(RunBusy):
+        client.delete("p", 3)
+    with pytest.raises(RunBusy):
+        client.delete_run("p")
+    assert commit(svc.url, "p", 9, ["rank-0", "rank-1"]).status_code == 201
+    client.delete("p", 3)
+    got = httpx.get(f"{svc.url}/v1/runs/p/checkpoints/9", timeout=60)
+    assert tensors_of(got.content) == {
+        n: a.tobytes() for body in shards(9) for n, a in body.items()
+    }
+    check_store(svc, client)
