@@ -24,6 +24,7 @@ from ckptstore_service.settings import Settings
 from ckptstore_service.storage import open_blob_store
 from support.blobs import blob_files, catalog_blobs, garbage_blobs
 from support.parts import commit, save_in_parts, shards, tensors_of
+from support.s3server import s3_store
 from support.serviceproc import Service, wait_idle
 from support.states import assert_same_state, training_states
 from support.waiting import wait_until
@@ -330,3 +331,33 @@ def test_delete_checkpoints_written_in_parts(make_service: Callable[..., Service
         n: a.tobytes() for body in shards(9) for n, a in body.items()
     }
     check_store(svc, client)
+
+
+@pytest.mark.postgres
+@pytest.mark.s3
+def test_delete_on_postgres_and_s3(
+    make_service: Callable[..., Service],
+    backends: dict[str, str],
+    states: list[dict[str, Any]],
+) -> None:
+    """The production backends: blobs rewritten on S3 from S3, and afterwards the bucket
+    holds exactly the blobs the catalog names."""
+    env = {**backends, **{k: v for k, v in ENV.items() if k != "CKPTSTORE_CHUNK_BYTES"}}
+    svc = make_service(env=env)
+    client = CheckpointClient(svc.url)
+    for step in range(6):
+        client.save("s3", step, states[step])
+    steps = list(range(6))
+    for gone in (2, 0):
+        client.delete("s3", gone)
+        steps.remove(gone)
+        check_run(client, "s3", states, steps)
+    wait_idle(svc.url)
+    catalog = Catalog(backends["CKPTSTORE_DATABASE_URL"])
+    try:
+        keys = {i.blob_key for i in catalog.list_checkpoints("s3")}
+        assert not catalog.garbage(None, datetime.now(UTC) + timedelta(days=1))
+    finally:
+        catalog.close()
+    store = s3_store(backends)
+    assert set(store.iter_keys("runs/s3/")) == keys
