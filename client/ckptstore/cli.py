@@ -42,6 +42,54 @@ def _client(args: argparse.Namespace) -> CheckpointClient:
         raise SystemExit(f"ckptstore: {exc}") from None
 
 
+def _token(args: argparse.Namespace) -> int:
+    """``token create|list|revoke`` through the service's ``/v1/tokens`` (an admin token)."""
+    from ckptstore.tokens import create_token, list_tokens, revoke_token
+    from ckptstore_core.access import token_table
+
+    with _client(args) as client:
+        if args.action == "create":
+            secret, info = create_token(client, args.name, args.scope, args.runs)
+            print(secret)
+            runs = f"runs {info.runs}" if info.runs else "every run"
+            print(
+                f"ckptstore: created token {info.name!r} (id {info.id}, scope {info.scope}, "
+                f"{runs}); this is the only time it is shown",
+                file=sys.stderr,
+            )
+        elif args.action == "list":
+            tokens = list_tokens(client, revoked=args.all)
+            if args.json:
+                _print_json({"tokens": [t.to_json() for t in tokens]})
+            else:
+                print("\n".join(token_table(tokens)))
+        else:
+            revoked = revoke_token(client, args.token)
+            print(f"revoked token {revoked.name!r} (id {revoked.id})")
+    return 0
+
+
+def _token_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    from ckptstore_core.access import PATTERN_RULE, SCOPES
+
+    token = sub.add_parser(
+        "token", help="bearer tokens (needs an admin token): create, list, revoke"
+    )
+    token.set_defaults(func=_token)
+    actions = token.add_subparsers(dest="action", required=True)
+    p = actions.add_parser("create", parents=[common], help="make a token; print its secret")
+    p.add_argument("name", help="a label, unique among the tokens in use (ci-team-a)")
+    p.add_argument("--scope", required=True, choices=SCOPES, help="read < write < admin")
+    p.add_argument("--runs", help=f"limit it to some runs: {PATTERN_RULE}")
+    p = actions.add_parser("list", parents=[common], help="the tokens (never their secrets)")
+    p.add_argument("--all", action="store_true", help="the revoked tokens too")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = actions.add_parser("revoke", parents=[common], help="revoke a token, at once")
+    p.add_argument("token", help="its name or id")
+
+
 def _human(n: int) -> str:
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -299,7 +347,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="ckptstore",
         description="List, measure, download and upload the checkpoints of a ckptstore "
         "service. Every command takes --url (default: $CKPTSTORE_URL, else "
-        "http://127.0.0.1:8000).",
+        "http://127.0.0.1:8000) and sends the token $CKPTSTORE_TOKEN if set.",
         epilog="exit status: 0 done, 1 an error (the service's, an unreachable service, a bad "
         "file), 2 a usage error, 130 interrupted. Reference: docs/cli.md",
     )
@@ -351,6 +399,8 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("-y", "--yes", action="store_true", help="allow deleting whole runs")
     p.set_defaults(func=_rm)
+
+    _token_parser(sub, common)
     return parser
 
 

@@ -8,6 +8,10 @@ the same class, so ``except CheckpointNotFound`` works on both sides of the wire
     ├── InvalidRequest            400 invalid_request   bad run name, bad step, bad query
     ├── InvalidStream             400 invalid_stream    malformed safetensors body
     │   └── UnsupportedDtype      400 unsupported_dtype dtype outside the table in wire.py
+    ├── Unauthorized              401 unauthorized      no token, or one the service does
+    │                                                     not know (wrong, revoked)
+    ├── Forbidden                 403 forbidden         the token's scope or run pattern
+    │                                                     does not cover the request
     ├── NotFound                  404 not_found         unknown route
     │   ├── RunNotFound           404 run_not_found
     │   └── CheckpointNotFound    404 checkpoint_not_found
@@ -34,6 +38,7 @@ __all__ = [
     "CheckpointPinned",
     "CkptStoreError",
     "CorruptData",
+    "Forbidden",
     "InternalError",
     "InvalidRequest",
     "InvalidStream",
@@ -43,6 +48,7 @@ __all__ = [
     "RunNotFound",
     "ServiceUnavailable",
     "StorageUnavailable",
+    "Unauthorized",
     "UnsupportedDtype",
     "error_from_code",
     "error_types",
@@ -81,6 +87,22 @@ class UnsupportedDtype(InvalidStream):
     """A tensor's dtype is none of those the wire format carries (wire.DTYPE_SIZES)."""
 
     code = "unsupported_dtype"
+
+
+class Unauthorized(CkptStoreError):
+    """The request carries no bearer token, or one the service does not know (wrong,
+    revoked). Never retried: the same token gets the same answer."""
+
+    code = "unauthorized"
+    status = 401
+
+
+class Forbidden(CkptStoreError):
+    """The token is valid but its scope (read < write < admin) or its run pattern does not
+    cover the request. Never retried."""
+
+    code = "forbidden"
+    status = 403
 
 
 class NotFound(CkptStoreError):

@@ -20,9 +20,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptstore_core.errors import CkptStoreError, InternalError, InvalidRequest
-from ckptstore_service.api import dashboard, lifecycle, parts
+from ckptstore_service.api import auth, dashboard, lifecycle, parts
 from ckptstore_service.api.instrument import instrument
 from ckptstore_service.api.routes import router, unrouted
+from ckptstore_service.auth import OPEN, auth_required
 from ckptstore_service.maintenance import Maintenance, RerootPolicy
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.runtime import Runtime
@@ -37,15 +38,32 @@ def _error(exc: CkptStoreError) -> JSONResponse:
     return JSONResponse(exc.to_json(), status_code=exc.status)
 
 
+def _log_auth(settings: Settings, required: bool, runtime: Runtime) -> None:
+    """Say at start-up whether tokens are required, and how to make the first one."""
+    why = f"CKPTSTORE_AUTH={settings.auth}, listening on {settings.host}"
+    if not required:
+        log.info("tokens: not required (%s)", why)
+    elif not runtime.catalog.tokens.list():
+        log.warning(
+            "tokens: required (%s), and there are none yet: make one with "
+            "`ckptstore-service token create NAME --scope admin`",
+            why,
+        )
+    else:
+        log.info("tokens: required (%s)", why)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; the runtime (catalog, store, cache, pools) opens in the lifespan."""
     settings = settings or Settings()
+    tokens_required = auth_required(settings.auth, settings.host)
     metrics = Metrics()  # this app's own registry: several apps may share a process
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime = await run_in_threadpool(Runtime.open, settings, metrics)
         app.state.runtime = runtime
+        await run_in_threadpool(_log_auth, settings, tokens_required, runtime)
         app.state.upload_limiter = anyio.CapacityLimiter(settings.max_concurrent_uploads)
         app.state.maintenance = Maintenance(
             runtime.catalog,
@@ -76,6 +94,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(router)
     app.include_router(parts.router)
     app.include_router(lifecycle.router)
+    auth.install(app, tokens_required, OPEN)  # before the metrics: they count refusals too
     if settings.metrics:
         instrument(app, metrics)
     app.include_router(dashboard.router)  # HTML pages for people, not in the OpenAPI document

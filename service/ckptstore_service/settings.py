@@ -6,6 +6,7 @@ Built by the app factory (``create_app(Settings())``), never at import time.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -100,6 +101,16 @@ class Settings(BaseSettings):
         default=64, ge=1, description="Uploads processed at once; more wait their turn."
     )
     workers: int = Field(default=0, ge=0, description="Codec threads; 0 = number of CPUs.")
+    host: str = Field(
+        default="127.0.0.1",
+        description="The address `ckptstore-service serve` listens on (its --host overrides "
+        "it); CKPTSTORE_AUTH=auto decides by it.",
+    )
+    auth: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="Bearer tokens required: on, off, or auto: required unless the service "
+        "listens on a loopback address (docs/security.md).",
+    )
     metrics: bool = Field(
         default=True,
         description="Serve Prometheus metrics at GET /metrics (docs/metrics.md).",

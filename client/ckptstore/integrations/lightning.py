@@ -110,8 +110,8 @@ class CkptStoreCheckpointIO(CheckpointIO):
     """Lightning's ``CheckpointIO`` that stores checkpoints as steps of ``run`` at ``url``.
 
     ``Trainer(plugins=[CkptStoreCheckpointIO(url, run)])``. ``url`` ``None`` means
-    ``CKPTSTORE_URL`` or the client's default; ``timeout``, ``retries`` and ``backoff`` are
-    :class:`~ckptstore.CheckpointClient`'s. Composes with Lightning's
+    ``CKPTSTORE_URL`` or the client's default; ``timeout``, ``retries``, ``backoff`` and
+    ``token`` are :class:`~ckptstore.CheckpointClient`'s. Composes with Lightning's
     ``AsyncCheckpointIO(CkptStoreCheckpointIO(url, run))`` (saves in a background thread).
     Safe to pickle (``ddp_spawn``): it holds configuration and the path table, and opens its
     connections on first use.
@@ -125,8 +125,10 @@ class CkptStoreCheckpointIO(CheckpointIO):
         timeout: float = 120.0,
         retries: int = 5,
         backoff: float = 0.5,
+        token: str | None = None,
     ) -> None:
         super().__init__()
+        self.token = token  # None: CKPTSTORE_TOKEN, read where the client is made
         self.url = url
         self.run = check_run_name(run)
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
@@ -152,7 +154,11 @@ class CkptStoreCheckpointIO(CheckpointIO):
         with self._lock:
             if self._client is None:
                 self._client = CheckpointClient(
-                    self.url, timeout=self.timeout, retries=self.retries, backoff=self.backoff
+                    self.url,
+                    timeout=self.timeout,
+                    retries=self.retries,
+                    backoff=self.backoff,
+                    token=self.token,
                 )
             return self._client
 

@@ -255,7 +255,8 @@ def write_checkpoint_folder(state: object, folder: str | os.PathLike[str]) -> No
 
 class CkptStoreCallback(TrainerCallback):
     """Upload every checkpoint the ``Trainer`` saves to the ckptstore run ``run`` at ``url``
-    (``None``: ``CKPTSTORE_URL``, else ``http://127.0.0.1:8000``, as ``CheckpointClient``).
+    (``None``: ``CKPTSTORE_URL``, else ``http://127.0.0.1:8000``, as ``CheckpointClient``);
+    ``token`` as ``CheckpointClient``'s (``None``: ``CKPTSTORE_TOKEN``).
 
     In ``on_save`` (right after the ``Trainer`` wrote ``<output_dir>/checkpoint-<step>``) the
     folder's files are read (:func:`read_checkpoint_folder`) and handed to
@@ -286,9 +287,11 @@ class CkptStoreCallback(TrainerCallback):
         raise_on_error: bool = True,
         timeout: float = 120.0,
         retries: int = 5,
+        token: str | None = None,
     ) -> None:
         self.url = url
         self.run = run
+        self._token = token  # None: CKPTSTORE_TOKEN, as CheckpointClient
         self.delete_local = delete_local
         self.raise_on_error = raise_on_error
         self._timeout = timeout
@@ -298,7 +301,9 @@ class CkptStoreCallback(TrainerCallback):
 
     def _get_client(self) -> CheckpointClient:
         if self._client is None:
-            self._client = CheckpointClient(self.url, timeout=self._timeout, retries=self._retries)
+            self._client = CheckpointClient(
+                self.url, timeout=self._timeout, retries=self._retries, token=self._token
+            )
         return self._client
 
     def on_train_begin(
@@ -379,6 +384,7 @@ def restore_checkpoint(
     overwrite: bool = False,
     timeout: float = 120.0,
     retries: int = 5,
+    token: str | None = None,
 ) -> str | None:
     """Write checkpoint ``step`` of ``run`` (default: the latest) as the ``Trainer`` folder
     ``<output_dir>/checkpoint-<step>`` and return its path, for
@@ -391,7 +397,7 @@ def restore_checkpoint(
     ``CheckpointNotFound`` is raised. ``ValueError`` when the checkpoint was not written by
     :class:`CkptStoreCallback`.
     """
-    with CheckpointClient(url, timeout=timeout, retries=retries) as client:
+    with CheckpointClient(url, timeout=timeout, retries=retries, token=token) as client:
         try:
             state = client.load(run, step)
         except (RunNotFound, CheckpointNotFound):

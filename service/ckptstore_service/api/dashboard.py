@@ -28,7 +28,9 @@ from starlette.concurrency import run_in_threadpool
 
 from ckptstore_core.errors import InvalidRequest, RunNotFound
 from ckptstore_core.records import RunInfo
+from ckptstore_service.api.auth import PrincipalDep
 from ckptstore_service.api.deps import RuntimeDep
+from ckptstore_service.auth import Principal
 from ckptstore_service.catalog import Catalog, CheckpointRecord
 from ckptstore_service.names import check_run_name
 
@@ -61,9 +63,10 @@ async def home(request: Request) -> RedirectResponse:
 
 
 @router.get("/ui", response_class=HTMLResponse)
-async def runs_page(request: Request, rt: RuntimeDep) -> HTMLResponse:
-    """Every run with a committed checkpoint, its checkpoints summed (``GET /v1/runs``)."""
-    rows = await run_in_threadpool(_runs_with_latest, rt.catalog)
+async def runs_page(request: Request, rt: RuntimeDep, principal: PrincipalDep) -> HTMLResponse:
+    """Every run with a committed checkpoint (that the token covers), its checkpoints
+    summed (``GET /v1/runs``)."""
+    rows = await run_in_threadpool(_runs_with_latest, rt.catalog, principal)
     return _html(200, "Runs", _runs_body(_root(request), rows))
 
 
@@ -87,9 +90,13 @@ def _root(request: Request) -> str:
     return root.rstrip("/")
 
 
-def _runs_with_latest(catalog: Catalog) -> list[tuple[RunInfo, CheckpointRecord | None]]:
-    """Each run of the listing with its latest checkpoint (for when it was saved)."""
-    return [(run, catalog.find(run.name, None)) for run in catalog.list_runs()]
+def _runs_with_latest(
+    catalog: Catalog, principal: Principal
+) -> list[tuple[RunInfo, CheckpointRecord | None]]:
+    """Each run of the listing that ``principal`` covers, with its latest checkpoint (for
+    when it was saved)."""
+    runs = [run for run in catalog.list_runs() if principal.covers(run.name)]
+    return [(run, catalog.find(run.name, None)) for run in runs]
 
 
 # -- formatting --------------------------------------------------------------------------------

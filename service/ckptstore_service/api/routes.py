@@ -21,6 +21,7 @@ from ckptstore_core.errors import (
     StorageUnavailable,
 )
 from ckptstore_core.records import CheckpointInfo
+from ckptstore_service.api.auth import PrincipalDep
 from ckptstore_service.api.body import consume_body
 from ckptstore_service.api.deps import MaintenanceDep, RuntimeDep, UploadLimiterDep
 from ckptstore_service.api.openapi import CHECKPOINT_STREAM, SAFETENSORS_BODY, error_responses
@@ -55,10 +56,11 @@ async def healthz(rt: RuntimeDep, maintenance: MaintenanceDep) -> dict[str, str 
 
 
 @router.get("/v1/runs", responses=error_responses(StorageUnavailable))
-async def list_runs(rt: RuntimeDep) -> RunsOut:
-    """Every run with at least one committed checkpoint."""
+async def list_runs(rt: RuntimeDep, principal: PrincipalDep) -> RunsOut:
+    """Every run with at least one committed checkpoint (that the token's run pattern
+    covers)."""
     runs = await run_in_threadpool(rt.catalog.list_runs)
-    return RunsOut(runs=runs)
+    return RunsOut(runs=[r for r in runs if principal.covers(r.name)])
 
 
 @router.get(

@@ -12,6 +12,7 @@ upload. :class:`Catalog` is the one object callers use; behind it, one module pe
 * :mod:`.garbage`: blobs due for deletion, and the re-root commit
 * :mod:`.parts`: checkpoints written in parts by several writers, committed once
 * :mod:`.lifecycle`: deleting checkpoints (after their re-base) and runs
+* :mod:`.tokens`: bearer tokens, stored hashed (``Catalog.tokens``)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ckptstore_service.catalog.records import (
     NewChunk,
     TensorInfo,
 )
+from ckptstore_service.catalog.tokens import TokenStore
 
 __all__ = [
     "Catalog",
@@ -60,6 +62,8 @@ class Catalog:
     def __init__(self, url: str) -> None:
         self._db = Database(url)
         self._locks = open_run_locks(self._db)
+        #: bearer tokens (:mod:`.tokens`)
+        self.tokens = TokenStore(self._db)
 
     @property
     def url(self) -> str:

@@ -25,7 +25,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["Base", "Checkpoint", "Chunk", "Garbage", "Part", "Run", "TensorRow"]
+__all__ = ["Base", "Checkpoint", "Chunk", "Garbage", "Part", "Run", "TensorRow", "Token"]
 
 WRITING = "writing"
 COMMITTED = "committed"
@@ -160,3 +160,29 @@ class Garbage(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     blob_key: Mapped[str] = mapped_column(String(512))
     not_before: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Token(Base):
+    """A bearer token (:mod:`ckptstore_service.auth`): only the SHA-256 of its secret is
+    stored. A revoked token keeps its row (``revoked_at`` set) for the listing; a name is
+    unique among the tokens not revoked."""
+
+    __tablename__ = "tokens"
+    __table_args__ = (
+        Index("uq_tokens_secret_hash", "secret_hash", unique=True),
+        Index(
+            "uq_tokens_name_active",
+            "name",
+            unique=True,
+            sqlite_where=text("revoked_at IS NULL"),
+            postgresql_where=text("revoked_at IS NULL"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64))
+    secret_hash: Mapped[str] = mapped_column(String(64))  # sha256 hex of the whole token
+    scope: Mapped[str] = mapped_column(String(16))  # read | write | admin
+    runs: Mapped[str | None] = mapped_column(String(1024), nullable=True)  # None: every run
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

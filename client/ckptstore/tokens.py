@@ -1,0 +1,46 @@
+"""Token management over HTTP (``/v1/tokens``, an admin token without a run pattern), for
+the ``ckptstore token`` command: the operator's other way is ``ckptstore-service token``,
+on the database directly (docs/security.md).
+
+A listing is retried like any read; a creation or a revocation is not (a retried creation
+would find its name taken by the first attempt).
+"""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+from ckptstore.client import CheckpointClient
+from ckptstore.parts import _json_call
+from ckptstore_core.access import TokenInfo, check_run_pattern, check_scope, check_token_name
+
+__all__ = ["create_token", "list_tokens", "revoke_token"]
+
+_TOKENS = "/v1/tokens"
+
+
+def list_tokens(client: CheckpointClient, *, revoked: bool = False) -> list[TokenInfo]:
+    """The tokens in use (with ``revoked``, the revoked ones too), by id; never secrets."""
+    path = _TOKENS + ("?revoked=true" if revoked else "")
+    obj = client._retry(lambda: _json_call(client, "GET", path, None))
+    return [TokenInfo.from_json(t) for t in obj["tokens"]]
+
+
+def create_token(
+    client: CheckpointClient, name: str, scope: str, runs: str | None = None
+) -> tuple[str, TokenInfo]:
+    """A new token: its secret (the only time anyone sees it) and its record. The name,
+    scope and run pattern are checked before anything is sent."""
+    body = {
+        "name": check_token_name(name),
+        "scope": check_scope(scope),
+        "runs": None if runs is None else check_run_pattern(runs),
+    }
+    obj = _json_call(client, "POST", _TOKENS, body)
+    return str(obj["token"]), TokenInfo.from_json(obj["info"])
+
+
+def revoke_token(client: CheckpointClient, token: str) -> TokenInfo:
+    """Revoke the token of that name (or id), at once; NotFound if none is in use."""
+    obj = _json_call(client, "DELETE", f"{_TOKENS}/{quote(token, safe='')}", None)
+    return TokenInfo.from_json(obj["revoked"])
