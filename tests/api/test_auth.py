@@ -89,6 +89,13 @@ CALLS: dict[tuple[str, str], Call] = {
     ),
     ("DELETE", _STEP): Call("DELETE", "/v1/runs/{run}/checkpoints/1"),
     ("DELETE", "/v1/runs/{run}"): Call("DELETE", "/v1/runs/{run}"),
+    ("GET", "/v1/runs/{run}"): Call("GET", "/v1/runs/{run}"),
+    ("PUT", _STEP + "/pin"): Call("PUT", "/v1/runs/{run}/checkpoints/1/pin"),
+    ("DELETE", _STEP + "/pin"): Call("DELETE", "/v1/runs/{run}/checkpoints/1/pin"),
+    ("PUT", "/v1/runs/{run:path}/retention"): Call(
+        "PUT", "/v1/runs/{run}/retention", json={"keep_last": 1}
+    ),
+    ("DELETE", "/v1/runs/{run:path}/retention"): Call("DELETE", "/v1/runs/{run}/retention"),
     ("GET", "/v1/tokens"): Call("GET", "/v1/tokens"),
     ("POST", "/v1/tokens"): Call("POST", "/v1/tokens", json={"name": "x", "scope": "admin"}),
     ("DELETE", "/v1/tokens/{token}"): Call("DELETE", "/v1/tokens/admin"),

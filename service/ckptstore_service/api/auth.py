@@ -112,6 +112,13 @@ ROUTE_ACCESS: dict[tuple[str, str], Access] = {
     # deleting destroys what no save can: an admin's (of the run's pattern, if it has one)
     ("DELETE", _STEP): Access("admin", run=True),
     ("DELETE", "/v1/runs/{run}"): Access("admin", run=True),
+    # retention: a pin keeps a checkpoint (a writer's call); what lets checkpoints go is an
+    # admin's (unpinning, a run's retention policy)
+    ("GET", "/v1/runs/{run}"): _READ_RUN,
+    ("PUT", _STEP + "/pin"): _WRITE_RUN,
+    ("DELETE", _STEP + "/pin"): Access("admin", run=True),
+    ("PUT", "/v1/runs/{run:path}/retention"): Access("admin", run=True),
+    ("DELETE", "/v1/runs/{run:path}/retention"): Access("admin", run=True),
     ("GET", "/v1/tokens"): _ADMIN,
     ("POST", "/v1/tokens"): _ADMIN,
     ("DELETE", "/v1/tokens/{token}"): _ADMIN,
