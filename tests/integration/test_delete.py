@@ -17,9 +17,17 @@ import torch
 
 from ckptstore import CheckpointClient
 from ckptstore.cli import main
-from ckptstore_core.errors import CheckpointNotFound, InvalidRequest, RunBusy, RunNotFound
+from ckptstore_core.errors import (
+    CheckpointNotFound,
+    InvalidRequest,
+    RunBusy,
+    RunNotFound,
+    StorageUnavailable,
+)
 from ckptstore_service.catalog import Catalog
-from ckptstore_service.maintenance import collect_garbage
+from ckptstore_service.maintenance import RerootPolicy, collect_garbage
+from ckptstore_service.maintenance.delete import delete_checkpoint
+from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
 from ckptstore_service.storage import open_blob_store
 from support.blobs import blob_files, catalog_blobs, garbage_blobs
@@ -361,3 +369,40 @@ def test_delete_on_postgres_and_s3(
         catalog.close()
     store = s3_store(backends)
     assert set(store.iter_keys("runs/s3/")) == keys
+
+
+def test_a_failed_delete_changes_nothing_and_leaves_nothing(
+    make_service: Callable[..., Service], tmp_path: Path, states: list[dict[str, Any]]
+) -> None:
+    """The commit fails after the new blobs are written: no row changes, the blobs it wrote
+    are deleted and their garbage rows dropped, and the checkpoint can be deleted later."""
+    data = tmp_path / "data"
+    svc = make_service(env=ENV, data_dir=data)
+    client = CheckpointClient(svc.url)
+    for step in range(4):
+        client.save("f", step, states[step])
+    svc.stop()
+    files = blob_files(data)
+    rt = Runtime.open(Settings(data_dir=data, chunk_bytes=64 << 10))
+    try:
+        before = rt.catalog.list_checkpoints("f")
+
+        def no_commit(*args: Any, **kwargs: Any) -> list[str]:
+            assert set(blob_files(data)) > set(files)  # the new blobs are written
+            raise StorageUnavailable("injected: the database went away at the commit")
+
+        rt.catalog.commit_delete = no_commit  # type: ignore[method-assign]
+        with pytest.raises(StorageUnavailable, match="injected"):
+            policy = RerootPolicy.of(rt.settings, rt.budget)
+            delete_checkpoint(
+                rt.catalog, rt.store, "f", 1, policy, scratch=rt.cache.scratch, pool=rt.pool
+            )
+        assert rt.catalog.list_checkpoints("f") == before
+        assert not garbage_blobs(data / "catalog.sqlite3")
+        assert blob_files(data) == files
+    finally:
+        rt.close()
+    svc.start()
+    client.delete("f", 1)
+    check_run(client, "f", states, [0, 2, 3])
+    check_store(svc, client)
