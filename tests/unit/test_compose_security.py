@@ -1,0 +1,35 @@
+"""The compose deployment's exposure (docs/security.md#the-compose-deployment): tokens on,
+only the service's port published, no default for any secret (the stack refuses to start
+without them). ``.ci/run`` checks the file's syntax with ``docker-compose config -q``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+COMPOSE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
+SECRETS = ("POSTGRES_PASSWORD", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD")
+
+
+def _services() -> dict[str, Any]:
+    services: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())["services"]
+    return services
+
+
+def test_only_the_service_publishes_a_port_and_it_requires_tokens() -> None:
+    services = _services()
+    assert [name for name, svc in services.items() if svc.get("ports")] == ["ckptstore"]
+    assert services["ckptstore"]["ports"] == ["${CKPTSTORE_PORT:-8000}:8000"]
+    assert services["ckptstore"]["environment"]["CKPTSTORE_AUTH"] == "on"
+    assert "--console-address" not in services["minio"]["command"]
+
+
+def test_every_secret_must_be_set() -> None:
+    text = COMPOSE.read_text()
+    uses = re.findall(r"\$\{(" + "|".join(SECRETS) + r")(:?[-?])?([^}]*)\}", text)
+    assert {name for name, _, _ in uses} == set(SECRETS)
+    for name, operator, _ in uses:
+        assert operator == ":?", f"${{{name}}} must have no default (use ${{{name}:?...}})"
