@@ -1,0 +1,36 @@
+"""The tokens table on both backends (catalog/tokens.py): a name is unique among the tokens
+in use and free again once revoked; look-ups find only tokens in use, by hash."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptstore_core.errors import InvalidRequest
+from ckptstore_service.auth import hash_token, issue_token
+from ckptstore_service.catalog import Catalog
+
+
+def test_tokens_by_hash_names_unique_in_use(database_url: str) -> None:
+    catalog = Catalog(database_url)
+    try:
+        catalog.upgrade()
+        store = catalog.tokens
+        secret, info = issue_token(store, "ci", "write", "team-a-*")
+        assert store.find(hash_token(secret)) == info
+        assert (info.scope, info.runs, info.revoked) == ("write", "team-a-*", None)
+        assert store.find(hash_token(secret + "x")) is None
+        with pytest.raises(InvalidRequest, match="exists already"):
+            issue_token(store, "ci", "read", None)
+
+        revoked = store.revoke("ci")
+        assert revoked is not None and revoked.revoked is not None
+        assert store.find(hash_token(secret)) is None
+        assert store.revoke("ci") is None  # nothing in use by that name
+        again, new = issue_token(store, "ci", "read", "*")  # the name is free again
+        assert new.runs is None  # "*" is every run
+        assert store.revoke(str(new.id)) == store.list(revoked=True)[-1]
+        assert [t.name for t in store.list()] == []
+        assert [t.id for t in store.list(revoked=True)] == [info.id, new.id]
+        assert store.find(hash_token(again)) is None
+    finally:
+        catalog.close()
