@@ -273,10 +273,19 @@ def _cookie(scope: Scope) -> str | None:
     return None
 
 
+def _has_body(scope: Scope) -> bool:
+    length = _header(scope, b"content-length")
+    return _header(scope, b"transfer-encoding") is not None or (length or "0").strip() != "0"
+
+
 def _refusal(scope: Scope, exc: CkptStoreError, access: Access) -> Response:
     """The answer to a refused request: the typed JSON error (a dashboard page: the login
     form for a 401, an HTML page for a 403), with RFC 6750's ``WWW-Authenticate``."""
     headers = {}
+    if _has_body(scope):
+        # the body is not read: closing the connection tells the client at once, instead
+        # of letting it send a whole checkpoint that the server throws away
+        headers["Connection"] = "close"
     sent = _bearer(scope) is not None or (access.html and _cookie(scope) is not None)
     if isinstance(exc, Unauthorized):
         headers["WWW-Authenticate"] = 'Bearer realm="ckptstore"' + (
