@@ -129,13 +129,55 @@ def _ls(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"run": args.run, "checkpoints": [c.to_json() for c in checkpoints]})
         return 0
-    print(f"{'step':>10} {'parent':>10} {'key':>4} {'depth':>5} {'raw':>12} {'stored':>12}")
+    print(
+        f"{'step':>10} {'parent':>10} {'key':>4} {'depth':>5} {'raw':>12} {'stored':>12} {'pin':>4}"
+    )
     for c in checkpoints:
         parent = "-" if c.parent_step is None else str(c.parent_step)
         print(
             f"{c.step:>10} {parent:>10} {'K' if c.keyframe else '':>4} {c.chain_depth:>5} "
-            f"{_human(c.raw_bytes):>12} {_human(c.stored_bytes):>12}"
+            f"{_human(c.raw_bytes):>12} {_human(c.stored_bytes):>12} {'P' if c.pinned else '':>4}"
         )
+    return 0
+
+
+def _pin(args: argparse.Namespace) -> int:
+    """Pin (``pin``) or unpin (``unpin``) checkpoints, in order; the first error stops."""
+    with _client(args) as client:
+        for run, step in args.targets:
+            if args.command == "pin":
+                client.pin(run, step)
+                print(f"pinned {run}@{step}: no delete takes it until it is unpinned")
+            else:
+                client.unpin(run, step)
+                print(f"unpinned {run}@{step}")
+    return 0
+
+
+def _retention(args: argparse.Namespace) -> int:
+    """Show a run's retention policy, set it (the rules given replace the whole policy) or
+    clear it (``--clear``: the service's default applies)."""
+    from ckptstore_core.retention import RetentionPolicy
+
+    rules = (args.keep_last, args.keep_every, args.keep_best)
+    if args.clear and rules != (None, None, None):
+        print("ckptstore: --clear takes no rules (--keep-*)", file=sys.stderr)
+        return 2
+    with _client(args) as client:
+        if args.clear:
+            applied = client.clear_retention(args.run)
+            print(f"retention of {args.run}: cleared (the service's default applies)")
+        elif rules != (None, None, None):
+            applied = client.set_retention(args.run, *rules)
+            print(f"retention of {args.run}: {applied} (applied in the background)")
+        else:
+            info = client.run_info(args.run)
+            applied = info.effective_retention
+            own = "none of its own" if info.retention is None else str(info.retention)
+            print(f"retention of {args.run}: {own}")
+            if info.pinned:
+                print(f"pinned: {', '.join(str(s) for s in info.pinned)}")
+    print(f"applied: {applied or RetentionPolicy()}")
     return 0
 
 
@@ -304,6 +346,33 @@ def _delete_ref(text: str) -> tuple[str, int | None]:
         raise argparse.ArgumentTypeError(f"{text!r}: STEP must be a non-negative integer") from None
 
 
+def _step_ref(text: str) -> tuple[str, int]:
+    """``RUN@STEP`` -> (run, step): a pin names its step."""
+    run, at, step = text.partition("@")
+    if not run or not at:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected RUN@STEP")
+    try:
+        return run, _step(step)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: STEP must be a non-negative integer") from None
+
+
+def _keep_best(text: str) -> Any:
+    """``METRIC:min|max:N`` -> KeepBest."""
+    from ckptstore_core.retention import parse_keep_best
+
+    try:
+        return parse_keep_best(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _count(text: str) -> int:
+    if not text.isascii() or not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
 def _step(text: str) -> int:
     if not text.isascii() or not text.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r} is not a step (a non-negative integer)")
@@ -399,6 +468,30 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("-y", "--yes", action="store_true", help="allow deleting whole runs")
     p.set_defaults(func=_rm)
+
+    for name, what in (("pin", "keep checkpoints from every delete"), ("unpin", "undo pin")):
+        p = sub.add_parser(name, parents=[common], help=what)
+        p.add_argument("targets", metavar="RUN@STEP", nargs="+", type=_step_ref)
+        p.set_defaults(func=_pin)
+
+    p = sub.add_parser(
+        "retention",
+        parents=[common],
+        help="show, set or clear a run's retention policy (what is kept; the rest is deleted)",
+    )
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("--keep-last", metavar="N", type=_count, help="keep the newest N")
+    p.add_argument(
+        "--keep-every", metavar="K", type=_count, help="keep every step that is a multiple of K"
+    )
+    p.add_argument(
+        "--keep-best", metavar="METRIC:min|max:N", type=_keep_best,
+        help="keep the N best by a key of the checkpoints' metadata (eval_loss:min:3)",
+    )  # fmt: skip
+    p.add_argument(
+        "--clear", action="store_true", help="clear the run's policy: the service's default applies"
+    )
+    p.set_defaults(func=_retention)
 
     _token_parser(sub, common)
     return parser

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
 
 import numpy as np
@@ -53,9 +53,11 @@ from ckptstore_core.names import check_run_name
 from ckptstore_core.records import (
     USER_METADATA_KEY,
     CheckpointInfo,
+    RunDetail,
     RunInfo,
     encode_user_metadata,
 )
+from ckptstore_core.retention import KeepBest, RetentionPolicy
 from ckptstore_core.wire import FORMAT, Header, StreamParser, encode_header
 
 if TYPE_CHECKING:
@@ -314,7 +316,7 @@ class CheckpointClient:
 
     def list(self, run: str) -> builtins.list[CheckpointInfo]:
         """The committed checkpoints of ``run``, by step."""
-        path = f"/v1/runs/{quote(check_run_name(run), safe='')}/checkpoints"
+        path = self._run_path(run) + "/checkpoints"
         obj = self._retry(lambda: self._get_json(path))
         return [CheckpointInfo.from_json(c) for c in obj["checkpoints"]]
 
@@ -334,7 +336,49 @@ class CheckpointClient:
     def delete_run(self, run: str) -> None:
         """Delete every checkpoint of ``run``; a later save under that name starts a fresh
         chain. Raises RunNotFound if it has none (a retry as :meth:`delete`)."""
-        self._delete(f"/v1/runs/{quote(check_run_name(run), safe='')}")
+        self._delete(self._run_path(run))
+
+    def pin(self, run: str, step: int) -> CheckpointInfo:
+        """Pin checkpoint ``step`` of ``run``: no delete takes it (:meth:`delete` raises
+        CheckpointPinned; retention keeps it) until :meth:`unpin`. Returns it as listed."""
+        return CheckpointInfo.from_json(self._call("PUT", self._path(run, step) + "/pin"))
+
+    def unpin(self, run: str, step: int) -> CheckpointInfo:
+        """Unpin checkpoint ``step`` of ``run``; its run's retention policy may then delete
+        it (in the background). Returns it as listed."""
+        return CheckpointInfo.from_json(self._call("DELETE", self._path(run, step) + "/pin"))
+
+    def set_retention(
+        self,
+        run: str,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: tuple[str, Literal["min", "max"], int] | KeepBest | None = None,
+    ) -> RetentionPolicy:
+        """Set ``run``'s retention policy, replacing any it had: keep the newest
+        ``keep_last``, every step that is a multiple of ``keep_every`` and the ``keep_best``
+        ``(metric, "min"|"max", n)`` best by a key of the checkpoints' metadata; a checkpoint
+        is kept if any rule keeps it, and the newest and pinned ones always are. No rule:
+        everything is kept (whatever the service's default). The service applies it at once
+        and after each save, in the background. ValueError for a bad rule, before anything
+        is sent. Returns the policy stored (docs/lifecycle.md)."""
+        best = KeepBest(*keep_best) if isinstance(keep_best, tuple) else keep_best
+        policy = RetentionPolicy(keep_last, keep_every, best)
+        path = self._run_path(run) + "/retention"
+        obj = self._call("PUT", path, policy.to_json())
+        return RetentionPolicy.from_json(obj["retention"])
+
+    def clear_retention(self, run: str) -> RetentionPolicy | None:
+        """Clear ``run``'s own retention policy; returns the one that applies from now on:
+        the service's default (None: none, everything is kept)."""
+        obj = self._call("DELETE", self._run_path(run) + "/retention")
+        applied = obj["effective_retention"]
+        return None if applied is None else RetentionPolicy.from_json(applied)
+
+    def run_info(self, run: str) -> RunDetail:
+        """``run``'s record, its pinned steps, its own retention policy and the one applied
+        (its own, else the service's default). RunNotFound if it has no checkpoint."""
+        return RunDetail.from_json(self._call("GET", self._run_path(run)))
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -395,11 +439,15 @@ class CheckpointClient:
         return tensors, dict(header.metadata), step if served is None else int(served)
 
     @staticmethod
+    def _run_path(run: str) -> str:
+        """The run's path; InvalidRequest for a name the service would refuse."""
+        return f"/v1/runs/{quote(check_run_name(run), safe='')}"
+
+    @staticmethod
     def _path(run: str, step: int | str) -> str:
         """The checkpoint's path; InvalidRequest for a run name the service would refuse
         (the same rule), before anything is sent."""
-        quoted = quote(check_run_name(run), safe="")
-        return f"/v1/runs/{quoted}/checkpoints/{quote(str(step), safe='')}"
+        return f"{CheckpointClient._run_path(run)}/checkpoints/{quote(str(step), safe='')}"
 
     def _request(
         self,
@@ -475,6 +523,24 @@ class CheckpointClient:
                     raise
 
         self._retry(attempt)
+
+    def _call(self, method: str, path: str, payload: Any = None) -> Any:
+        """``method path`` with ``payload`` as its JSON body (if not None), retried as
+        configured (the callers' requests are idempotent); the answer's JSON."""
+        body = None if payload is None else json.dumps(payload).encode()
+
+        def attempt() -> Any:
+            pieces = None if body is None else [body]
+            length = 0 if body is None else len(body)
+            conn, response = self._request(
+                method, path, pieces, length, content_type="application/json"
+            )
+            data = response.read()
+            self._done(conn, response)
+            _raise_for(response.status, data)
+            return json.loads(data)
+
+        return self._retry(attempt)
 
     def _get_json(self, path: str) -> Any:
         conn, response = self._request("GET", path)

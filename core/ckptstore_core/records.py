@@ -14,10 +14,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Self
 
+from ckptstore_core.retention import RetentionPolicy
+
 __all__ = [
     "MAX_USER_METADATA_BYTES",
     "USER_METADATA_KEY",
     "CheckpointInfo",
+    "RunDetail",
     "RunInfo",
     "decode_user_metadata",
     "encode_user_metadata",
@@ -128,6 +131,7 @@ class CheckpointInfo(_Record):
     created: datetime
     parts: int = 1  # how many writers (ranks) it was written by, committed once
     metadata: dict[str, Any] = field(default_factory=dict)  # the user's, given to the save
+    pinned: bool = False  # never deleted (by retention or by hand) until unpinned
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,3 +144,28 @@ class RunInfo(_Record):
     raw_bytes: int
     stored_bytes: int
     created: datetime
+
+
+def _policy(obj: Any) -> RetentionPolicy | None:
+    return None if obj is None else RetentionPolicy.from_json(obj)
+
+
+@dataclass(frozen=True, slots=True)
+class RunDetail:
+    """One run as ``GET /v1/runs/{run}`` describes it: its record, the steps of its pinned
+    checkpoints, its own retention policy and the one applied (its own, else the service's
+    default; None: everything is kept)."""
+
+    record: RunInfo
+    pinned: list[int]
+    retention: RetentionPolicy | None
+    effective_retention: RetentionPolicy | None
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> RunDetail:
+        return cls(
+            RunInfo.from_json(obj["record"]),
+            [int(s) for s in obj["pinned"]],
+            _policy(obj.get("retention")),
+            _policy(obj.get("effective_retention")),
+        )

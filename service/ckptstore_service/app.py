@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptstore_core.errors import CkptStoreError, InternalError, InvalidRequest
-from ckptstore_service.api import auth, dashboard, lifecycle, parts
+from ckptstore_service.api import auth, dashboard, lifecycle, parts, retention
 from ckptstore_service.api.instrument import instrument
 from ckptstore_service.api.routes import router, unrouted
 from ckptstore_service.auth import OPEN, auth_required
@@ -75,6 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             parts_ttl_s=settings.parts_ttl_s,
             period_s=settings.sweep_interval_s,
             metrics=metrics,
+            retention=settings.default_retention(),
         )
         try:
             yield
@@ -94,6 +95,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(router)
     app.include_router(parts.router)
     app.include_router(lifecycle.router)
+    app.include_router(retention.router)
     auth.install(app, tokens_required, OPEN)  # before the metrics: they count refusals too
     if settings.metrics:
         instrument(app, metrics)

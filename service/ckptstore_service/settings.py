@@ -8,8 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ckptstore_core.retention import RetentionPolicy, parse_keep_best
 
 __all__ = ["Settings"]
 
@@ -95,6 +97,23 @@ class Settings(BaseSettings):
         ge=0,
         description="How long blobs that a re-root replaced stay for loads still reading them.",
     )
+    retention_keep_last: int | None = Field(
+        default=None,
+        ge=1,
+        description="Default retention of the runs without a policy of their own: keep the "
+        "newest N checkpoints (with the other rules: kept if any rule keeps it; the newest "
+        "and pinned ones always). Unset with the other two: keep everything.",
+    )
+    retention_keep_every: int | None = Field(
+        default=None,
+        ge=1,
+        description="Default retention: keep every checkpoint whose step is a multiple of K.",
+    )
+    retention_keep_best: str | None = Field(
+        default=None,
+        description="Default retention: keep the N best checkpoints by a key of their "
+        "metadata, written METRIC:min|max:N (eval_loss:min:3).",
+    )
     max_upload_bytes: int = Field(default=1 << 40, ge=1, description="Largest checkpoint accepted.")
     max_header_bytes: int = Field(default=100 * MiB, ge=1024)
     max_concurrent_uploads: int = Field(
@@ -115,6 +134,23 @@ class Settings(BaseSettings):
         default=True,
         description="Serve Prometheus metrics at GET /metrics (docs/metrics.md).",
     )
+
+    @field_validator("retention_keep_best")
+    @classmethod
+    def _keep_best(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_keep_best(value)  # ValueError: a clear message at start-up
+        return value
+
+    def default_retention(self) -> RetentionPolicy | None:
+        """The retention policy of runs without one of their own; None: keep everything."""
+        best = self.retention_keep_best
+        policy = RetentionPolicy(
+            self.retention_keep_last,
+            self.retention_keep_every,
+            None if best is None else parse_keep_best(best),
+        )
+        return policy if policy.has_rules else None
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'catalog.sqlite3').resolve()}"

@@ -76,7 +76,7 @@ def test_the_paths_are_the_routes(spec: dict[str, Any]) -> None:
     assert {"/healthz", "/v1/runs", CHECKPOINTS, CHECKPOINT} <= set(spec["paths"])
     assert not [p for p in spec["paths"] if ":" in p]  # FastAPI drops the ``:path`` converter
     assert set(spec["paths"][CHECKPOINT]) == {"get", "post", "delete"}
-    assert set(spec["paths"]["/v1/runs/{run}"]) == {"delete"}
+    assert set(spec["paths"]["/v1/runs/{run}"]) == {"get", "delete"}
     run = next(p for p in spec["paths"][CHECKPOINT]["post"]["parameters"] if p["name"] == "run")
     assert run["in"] == "path" and RUN_NAME_RULE in run["description"]
 

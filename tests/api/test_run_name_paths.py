@@ -106,11 +106,13 @@ def test_unknown_routes_stay_not_found(http: httpx.Client, path: str) -> None:
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    # a run's own path exists (DELETE deletes it): other methods are 405 there
+    # a run's own path exists (GET describes it, DELETE deletes it): other methods are 405
     [
         ("PATCH", "/v1/runs/ok/checkpoints/3"),
         ("PUT", "/v1/runs/ok/checkpoints"),
-        ("GET", "/v1/runs/ok"),
+        ("POST", "/v1/runs/ok"),
+        ("GET", "/v1/runs/ok/retention"),
+        ("POST", "/v1/runs/ok/checkpoints/3/pin"),
     ],
 )
 def test_wrong_methods_stay_405(http: httpx.Client, method: str, path: str) -> None:

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ckptstore_core.errors import (
     CheckpointNotFound,
+    CheckpointPinned,
     CorruptData,
     InvalidRequest,
     RunBusy,
@@ -33,7 +34,14 @@ __all__ = ["router"]
 router = APIRouter()
 
 Run = Annotated[str, Path(description=f"The run's name: {RUN_NAME_RULE}")]
-_ERRORS = (InvalidRequest, RunNotFound, CheckpointNotFound, RunBusy, StorageUnavailable)
+_ERRORS = (
+    InvalidRequest,
+    RunNotFound,
+    CheckpointNotFound,
+    RunBusy,
+    CheckpointPinned,
+    StorageUnavailable,
+)
 
 
 @router.delete(
@@ -48,9 +56,10 @@ async def delete_one(
     rt: RuntimeDep,
     maintenance: MaintenanceDep,
 ) -> Response:
-    """Delete checkpoint `step` of the run. Every other checkpoint loads to the same bytes
-    as before; the ones that rested on it are re-based first (saves to the run wait for
-    that). Its blobs are collected once the grace time for loads in progress has passed."""
+    """Delete checkpoint `step` of the run (409 `checkpoint_pinned` if it is pinned). Every
+    other checkpoint loads to the same bytes as before; the ones that rested on it are
+    re-based first (saves to the run wait for that). Its blobs are collected once the grace
+    time for loads in progress has passed."""
     check_run_name(run)
     step_n = parse_step(step)
     assert step_n is not None
@@ -78,7 +87,8 @@ async def delete_one(
     responses=error_responses(*_ERRORS),
 )
 async def delete_whole_run(run: Run, rt: RuntimeDep, maintenance: MaintenanceDep) -> Response:
-    """Delete every checkpoint of the run. A later save under the same name starts a fresh
+    """Delete every checkpoint of the run (none if one is pinned: 409
+    `checkpoint_pinned`). A later save under the same name starts a fresh
     chain. The blobs are collected once the grace time for loads in progress has passed."""
     check_run_name(run)
     await run_in_threadpool(delete_run, rt.catalog, run, rt.settings.garbage_grace_s)

@@ -12,6 +12,7 @@ upload. :class:`Catalog` is the one object callers use; behind it, one module pe
 * :mod:`.garbage`: blobs due for deletion, and the re-root commit
 * :mod:`.parts`: checkpoints written in parts by several writers, committed once
 * :mod:`.lifecycle`: deleting checkpoints (after their re-base) and runs
+* :mod:`.retention`: pins and runs' retention policies
 * :mod:`.tokens`: bearer tokens, stored hashed (``Catalog.tokens``)
 """
 
@@ -25,7 +26,16 @@ from pathlib import Path
 from sqlalchemy import Engine
 
 from ckptstore_core.records import RunInfo
-from ckptstore_service.catalog import checkpoints, garbage, graph, lifecycle, parts, uploads
+from ckptstore_core.retention import RetentionPolicy
+from ckptstore_service.catalog import (
+    checkpoints,
+    garbage,
+    graph,
+    lifecycle,
+    parts,
+    retention,
+    uploads,
+)
 from ckptstore_service.catalog.db import Database, shown_url
 from ckptstore_service.catalog.lifecycle import DeleteChanges, PartBlob
 from ckptstore_service.catalog.locks import Purpose, open_run_locks
@@ -218,8 +228,9 @@ class Catalog:
     def list_checkpoints(self, run: str) -> list[CheckpointRecord]:
         return checkpoints.list_checkpoints(self._db, run)
 
-    def list_runs(self) -> list[RunInfo]:
-        return checkpoints.list_runs(self._db)
+    def list_runs(self, name: str | None = None) -> list[RunInfo]:
+        """Every run with a committed checkpoint (or only run ``name``), summed."""
+        return checkpoints.list_runs(self._db, name)
 
     # -- the upload protocol (:mod:`.uploads`): begin -> commit | abort ----------------------
 
@@ -295,6 +306,21 @@ class Catalog:
         """Delete every checkpoint of ``run``; their blobs are garbage from ``not_before``
         (:func:`.lifecycle.delete_run`)."""
         return lifecycle.delete_run(self._db, run, not_before)
+
+    # -- pins and retention policies (:mod:`.retention`) ------------------------------------
+
+    def set_pinned(self, run: str, step: int, pinned: bool) -> CheckpointRecord:
+        """Pin (unpin) checkpoint ``step`` of ``run``; returns it. RunNotFound /
+        CheckpointNotFound if there is none."""
+        return retention.set_pinned(self._db, run, step, pinned)
+
+    def set_retention(self, run: str, policy: RetentionPolicy | None) -> None:
+        """Store ``run``'s own retention policy (None: clear it)."""
+        retention.set_retention(self._db, run, policy)
+
+    def retention(self, run: str) -> RetentionPolicy | None:
+        """``run``'s own retention policy, None if it has none."""
+        return retention.retention(self._db, run)
 
     # -- garbage and re-roots (:mod:`.garbage`) ----------------------------------------------
 

@@ -74,6 +74,7 @@ def _info(row: Any) -> CheckpointRecord:
         created=utc(ck.created_at),
         parts=ck.n_parts,
         metadata=user_metadata(stored),
+        pinned=ck.pinned,
     )
 
 
@@ -138,8 +139,9 @@ def list_checkpoints(db: Database, run: str) -> list[CheckpointRecord]:
     return [_info(r) for r in rows]
 
 
-def list_runs(db: Database) -> list[RunInfo]:
-    """Every run with a committed checkpoint, by name, its checkpoints summed."""
+def list_runs(db: Database, name: str | None = None) -> list[RunInfo]:
+    """Every run with a committed checkpoint (or only run ``name``), by name, its
+    checkpoints summed."""
     query = (
         select(
             Run.name,
@@ -154,6 +156,8 @@ def list_runs(db: Database) -> list[RunInfo]:
         .group_by(Run.id, Run.name, Run.created_at)
         .order_by(Run.name)
     )
+    if name is not None:
+        query = query.where(Run.name == name)
     with db.session() as s:
         rows = s.execute(query).all()
     return [

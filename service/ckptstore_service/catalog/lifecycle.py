@@ -34,6 +34,7 @@ from ckptstore_service.catalog.models import (
     Run,
     TensorRow,
 )
+from ckptstore_service.catalog.retention import pinned_refusal
 
 __all__ = [
     "DeleteChanges",
@@ -98,18 +99,27 @@ def commit_delete(db: Database, run: str, changes: DeleteChanges) -> list[str]:
     blobs off the garbage table, replaced blobs on it), the parts' new blobs, the
     checkpoint's children linked to its parent, its tensor, chunk and part rows deleted, its
     row a tombstone, and ``since_keyframe`` counted again along the run. Raises
-    CheckpointNotFound if the checkpoint is not committed (any more), CorruptData if a blob
-    changed meanwhile; either changes nothing.
+    CheckpointNotFound if the checkpoint is not committed (any more), CheckpointPinned if it
+    was pinned meanwhile, CorruptData if a blob changed meanwhile; each changes nothing.
     """
     x = changes.checkpoint_id
     with db.session() as s:
         row = s.execute(
-            select(Checkpoint.status, Checkpoint.parent_id, Checkpoint.blob_key, Checkpoint.run_id)
+            select(
+                Checkpoint.status,
+                Checkpoint.parent_id,
+                Checkpoint.blob_key,
+                Checkpoint.run_id,
+                Checkpoint.pinned,
+                Checkpoint.step,
+            )
             .where(Checkpoint.id == x)
             .with_for_update()
         ).first()
         if row is None or row.status != COMMITTED:
             raise CheckpointNotFound(f"checkpoint {x} of run {run!r} is gone")
+        if row.pinned:
+            raise pinned_refusal(run, [row.step])
         for p in changes.parts:
             moved = s.execute(
                 update(Part)
@@ -161,7 +171,8 @@ def _count_since_keyframe(s: Session, run_id: int) -> None:
 def delete_run(db: Database, run: str, not_before: datetime) -> tuple[int, list[str]]:
     """Delete every committed checkpoint of ``run``, in one transaction: each becomes a
     tombstone, and its blobs (its own, its parts') garbage from ``not_before``. Returns how
-    many went and their blobs; RunNotFound if the run has none.
+    many went and their blobs; RunNotFound if the run has none, CheckpointPinned (nothing
+    deleted) if one of them is pinned.
 
     The run's row stays: the garbage rows name it (and would go with it), and a later save
     under the same name starts a fresh chain in it. Chunks of other runs never rest on this
@@ -173,15 +184,18 @@ def delete_run(db: Database, run: str, not_before: datetime) -> tuple[int, list[
             []
             if run_id is None
             else s.execute(
-                select(Checkpoint.id, Checkpoint.blob_key).where(
-                    Checkpoint.run_id == run_id, Checkpoint.status == COMMITTED
-                )
+                select(
+                    Checkpoint.id, Checkpoint.blob_key, Checkpoint.step, Checkpoint.pinned
+                ).where(Checkpoint.run_id == run_id, Checkpoint.status == COMMITTED)
             ).all()
         )
         if run_id is None or not rows:
             raise RunNotFound(f"run {run!r} has no checkpoints")
-        ids = [int(i) for i, _ in rows]
-        blobs = [k for _, k in rows]
+        pinned = [int(r.step) for r in rows if r.pinned]
+        if pinned:
+            raise pinned_refusal(run, pinned)
+        ids = [int(r.id) for r in rows]
+        blobs = [r.blob_key for r in rows]
         blobs += s.scalars(select(Part.blob_key).where(Part.checkpoint_id.in_(ids))).all()
         _tombstone(s, ids)
         retire(s, run_id, blobs, not_before)

@@ -21,6 +21,7 @@ from sqlalchemy import (
     LargeBinary,
     String,
     Text,
+    false,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -52,6 +53,9 @@ class Run(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
+    # the run's retention policy (ckptstore_core.retention.RetentionPolicy as JSON); None:
+    # none of its own, the service's default applies
+    retention_json: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class Checkpoint(Base):
@@ -82,6 +86,8 @@ class Checkpoint(Base):
     n_tensors: Mapped[int] = mapped_column(Integer, default=0)
     metadata_json: Mapped[str] = mapped_column(Text, default="{}")
     n_parts: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # never deleted while set: not by retention, not by hand (unpin first)
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
     committed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
@@ -58,6 +59,7 @@ from ckptstore_service.catalog import (
     PartBlob,
 )
 from ckptstore_service.catalog.garbage import RerootChanges
+from ckptstore_service.catalog.retention import pinned_refusal
 from ckptstore_service.chains import ChainDecoder
 from ckptstore_service.maintenance.reroot import RerootPolicy
 from ckptstore_service.maintenance.rewrite import (
@@ -110,16 +112,24 @@ def delete_checkpoint(
     *,
     scratch: Path,
     pool: Executor,
+    check: Callable[[CheckpointRecord], None] | None = None,
 ) -> Deleted:
     """Delete checkpoint ``step`` of ``run`` (see the module's docstring); returns what it
     did. Raises RunNotFound / CheckpointNotFound if there is none, RunBusy while the run has
     a checkpoint being written in parts. Takes the run's re-root lock, then its lock, and
     holds both throughout. ``pool`` runs the decoding and encoding; the new encodings are
     spooled to unnamed files in ``scratch``. A delete that fails changes no row and deletes
-    what it wrote."""
+    what it wrote. CheckpointPinned for a pinned checkpoint (a pin that lands during the
+    re-base refuses it at the commit). ``check``, if given, is called with the checkpoint
+    under the locks before any work: it raises to call the delete off (retention
+    re-decides there, :mod:`.retention`)."""
     t0 = time.perf_counter()
     with catalog.reroot_lock(run), catalog.run_lock(run):
         x = catalog.get(run, step)
+        if x.pinned:
+            raise pinned_refusal(run, [step])
+        if check is not None:
+            check(x)
         _check_not_busy(catalog, run)
         deps = catalog.dependents(x.id)
         spools = Spools(scratch)

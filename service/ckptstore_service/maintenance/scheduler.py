@@ -1,4 +1,5 @@
-"""The service's background work, in one thread: re-roots and garbage collection."""
+"""The service's background work, in one thread: retention, re-roots and garbage
+collection."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from ckptstore_core.retention import RetentionPolicy
 from ckptstore_service.catalog import Catalog
 from ckptstore_service.maintenance.garbage import collect_garbage, collect_parts
 from ckptstore_service.maintenance.reroot import RerootPolicy, Stopped, reroot, reroot_pool
+from ckptstore_service.maintenance.retention import apply_retention
 from ckptstore_service.metrics import Metrics, Task
 from ckptstore_service.storage import BlobStore
 
@@ -26,12 +29,14 @@ _MAX_PASSES = 8
 
 
 class Maintenance:
-    """The background work, in one thread: a run's re-root (if due) and the collection of
-    its garbage, once it has gone ``quiet_s`` without a save (a re-root then does not
+    """The background work, in one thread: a run's retention policy applied (deleting what
+    it does not keep), its re-root (if due) and the collection of its garbage, once it has
+    gone ``quiet_s`` without a save (a re-root then does not
     compete with a burst of saves for the CPU); every ``period_s``, the garbage of every
     run. A run whose re-root failed is not re-rooted again for ``retry_s``.
 
-    Starts at construction; :meth:`after_save` after each committed save; :meth:`close`
+    Starts at construction; :meth:`after_save` after each committed save (and
+    :meth:`run_now` once a run's retention policy is set); :meth:`close`
     once, at shutdown. Errors of the background work are logged, never raised; each task's
     runs, errors and results are counted into ``metrics``.
     """
@@ -49,11 +54,13 @@ class Maintenance:
         metrics: Metrics,
         period_s: float = 60.0,
         retry_s: float = 600.0,
+        retention: RetentionPolicy | None = None,
     ) -> None:
         """``scratch``: a folder for a re-root's spools; ``workers``: the codec threads
         (re-roots get half as many, at a lower priority: :func:`.reroot.reroot_pool`);
         ``parts_ttl_s``: how long a checkpoint written in parts may wait for its commit
-        (:func:`.garbage.collect_parts`, at each sweep)."""
+        (:func:`.garbage.collect_parts`, at each sweep); ``retention``: the service's
+        default policy, for runs without one of their own (None: keep everything)."""
         self._catalog = catalog
         self._store = store
         self._policy = policy
@@ -63,6 +70,7 @@ class Maintenance:
         self._quiet_s = quiet_s
         self._parts_ttl_s = parts_ttl_s
         self._metrics = metrics
+        self._retention = retention
         self._due: dict[str, float] = {}  # run -> when its pass may start (monotonic)
         self._running = 0
         self._failed: dict[str, float] = {}  # run -> when a re-root may be tried again
@@ -76,6 +84,12 @@ class Maintenance:
         """A save of ``run`` committed: a pass of the run is due once it has gone quiet."""
         with self._cond:
             self._due[run] = time.monotonic() + self._quiet_s
+            self._cond.notify()
+
+    def run_now(self, run: str) -> None:
+        """A pass of ``run`` is due at once (its retention policy was just set)."""
+        with self._cond:
+            self._due[run] = time.monotonic()
             self._cond.notify()
 
     @property
@@ -122,10 +136,24 @@ class Maintenance:
                     sweep_at = time.monotonic() + self._period_s
                 continue
             try:
+                self._guarded("retention", self._retain, run)
                 self._guarded("reroot", self._maintain, run)
             finally:
                 with self._cond:
                     self._running -= 1
+
+    def _retain(self, run: str) -> None:
+        """Delete what the run's retention policy does not keep (:mod:`.retention`)."""
+        apply_retention(
+            self._catalog,
+            self._store,
+            run,
+            self._policy,
+            self._retention,
+            scratch=self._scratch,
+            pool=self._pool,
+            stop=self._stop,
+        )
 
     def _maintain(self, run: str) -> None:
         try:
