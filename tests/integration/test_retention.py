@@ -66,6 +66,16 @@ def check_store(svc: Service, client: CheckpointClient) -> int:
     return stored
 
 
+def retention_passes(url: str, outcome: str) -> float:
+    """``ckptstore_maintenance_runs_total{task="retention", outcome=...}`` of a service."""
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("ckptstore_maintenance_runs_total{") and (
+            'task="retention"' in line and f'outcome="{outcome}"' in line
+        ):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no retention/{outcome} series at {url}/metrics")
+
+
 def test_keep_last_and_every_on_a_thirty_checkpoint_run(
     make_service: Callable[..., Service], states: list[dict[str, Any]]
 ) -> None:
@@ -252,6 +262,40 @@ def test_two_replicas_apply_the_same_policy_at_once(
     expected = [0, 4, 5, 8, 12, 13, 14, 15]
     check_loads(ca, "pg", states, expected)
     check_loads(cb, "pg", states, expected)
+
+    # then saves through both replicas, each followed by the policy's pass on the replica
+    # that took it, while a reader loads steps the policy always keeps
+    done = threading.Event()
+    loads = [0]
+
+    def reader() -> None:
+        client = CheckpointClient(a.url)
+        try:
+            while not done.is_set():
+                step = (0, 4, 5, 8)[loads[0] % 4]
+                assert_same_state(states[step], client.load("pg", step), path=f"pg@{step}")
+                loads[0] += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for step in range(16, 24):
+            (ca if step % 2 else cb).save("pg", step, states[step])
+    finally:
+        done.set()
+        thread.join(60)
+    assert not errors, errors
+    assert loads[0] > 0
+    wait_idle(a.url)
+    wait_idle(b.url)
+    expected = [0, 4, 5, 8, 12, 16, 20, 21, 22, 23]
+    check_loads(ca, "pg", states, expected)
+    check_loads(cb, "pg", states, expected)
+    for svc in (a, b):  # both applied it, and no pass failed
+        assert retention_passes(svc.url, "ok") > 0
+        assert retention_passes(svc.url, "error") == 0
     # nothing leaked, nothing lost: once collected (each pass collects its run's garbage,
     # the sweep every second what a pass left), the blobs are those the catalog names
     engine = create_engine(pg_url)
