@@ -46,6 +46,15 @@ writer to another process; the writer's staging buffers stay behind).
     them any more (its upload is done and dropped); otherwise the next save stages into
     fresh ones. So wait for a save before starting the next (DCP wants that anyway: two
     saves in flight interleave their collectives) and steady-state saves allocate nothing.
+
+    With ``CkptStoreWriter(..., async_staging=True)`` the copy runs in a thread of the
+    writer's instead: ``async_save`` returns at once with an ``AsyncSaveResponse``, and the
+    copy overlaps the next step's forward and backward passes, which only read the state::
+
+        response = dcp.async_save(state, storage_writer=writer, checkpoint_id=step)
+        loss = model(batch).loss; loss.backward()
+        response.staging_completion.result()    # before the weights and moments change
+        optimizer.step()
 """
 
 from __future__ import annotations
@@ -60,6 +69,8 @@ import pickle
 import re
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future as ConcurrentFuture
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -476,12 +487,16 @@ class CkptStoreWriter(StorageWriter, AsyncStager):
     needs every rank's results.
 
     ``dcp.async_save`` stages with the writer (:meth:`stage`): its host buffers are reused
-    from one save to the next and held until :meth:`close`.
+    from one save to the next and held until :meth:`close`. ``async_staging=True`` copies
+    in a thread of the writer's: ``async_save`` returns at once with an
+    ``AsyncSaveResponse``, and the loop waits for its ``staging_completion`` before the
+    next ``optimizer.step()``.
     """
 
     # stage() has copied everything when it returns: nothing to synchronise afterwards
     _synchronize_after_execute = False
     _staging: StagingBuffers | None = None
+    _copier: ThreadPoolExecutor | None = None
 
     def __init__(
         self,
@@ -491,9 +506,11 @@ class CkptStoreWriter(StorageWriter, AsyncStager):
         *,
         grid_bytes: int | None = GRID_BYTES,
         metadata: Mapping[str, Any] | None = None,
+        async_staging: bool = False,
         **client_options: Any,
     ) -> None:
         super().__init__()
+        self.async_staging = async_staging
         self.url = url
         # checked here, in the training process, not at the commit
         self.metadata = None if metadata is None else encode_user_metadata(metadata)
@@ -514,9 +531,26 @@ class CkptStoreWriter(StorageWriter, AsyncStager):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.pop("_staging", None)  # host buffers (and copy threads) stay in this process
+        state.pop("_copier", None)
         return state
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def stage(
+        self, state_dict: dict[str, Any]
+    ) -> dict[str, Any] | ConcurrentFuture[dict[str, Any]]:
+        """``state_dict`` copied for ``dcp.async_save`` (:meth:`_staged`): done when this
+        returns; or, with ``async_staging=True``, a future of it, the copy running in a thread
+        of this writer's. ``async_save`` then returns at once, with an ``AsyncSaveResponse``:
+        the training loop may run its next forward and backward passes (which only read the
+        weights) but must wait for ``response.staging_completion`` before
+        ``optimizer.step()`` changes them. The copy then overlaps the next step's compute
+        instead of stalling it."""
+        if not self.async_staging:
+            return self._staged(state_dict)
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-stage")
+        return self._copier.submit(self._staged, state_dict)
+
+    def _staged(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``state_dict`` copied for ``dcp.async_save``, done when this returns: tensors
         into this writer's reused host buffers (a DTensor's local tensor, wrapped again in a
         DTensor of the same spec; a ShardedTensor copied whole, as DCP's own stager does),
@@ -538,7 +572,11 @@ class CkptStoreWriter(StorageWriter, AsyncStager):
         return _rebuild(state_dict, staged, memo, {})  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        """Free the staging buffers (a later :meth:`stage` makes new ones)."""
+        """Free the staging buffers (a later :meth:`stage` makes new ones), after a copy
+        still running (``async_staging``)."""
+        copier, self._copier = self._copier, None
+        if copier is not None:
+            copier.shutdown(wait=True)
         staging, self._staging = self._staging, None
         if staging is not None:
             staging.clear()

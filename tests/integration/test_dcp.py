@@ -225,13 +225,22 @@ def test_hsdp_stores_one_replica(make_service: Any, tmp_path: Path) -> None:
 
 # the process executor spawns a checkpoint process per rank, which imports torch afresh:
 # 25-60 s on the shared 2-core host
-@pytest.mark.parametrize("executor", ["thread", pytest.param("process", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    ("executor", "async_staging"),
+    [
+        ("thread", False),
+        ("thread", True),  # the copy overlaps the next forward/backward
+        pytest.param("process", False, marks=pytest.mark.slow),
+    ],
+)
 def test_async_save_lands_loadable_checkpoints(
-    make_service: Any, tmp_path: Path, executor: str
+    make_service: Any, tmp_path: Path, executor: str, async_staging: bool
 ) -> None:
     service = make_service()
-    run = f"async-{executor}"
-    dcp_ranks.launch(dcp_ranks.async_run, 2, service.url, run, str(tmp_path), executor)
+    run = f"async-{executor}-{'overlap' if async_staging else 'copy'}"
+    dcp_ranks.launch(
+        dcp_ranks.async_run, 2, service.url, run, str(tmp_path), executor, async_staging
+    )
     with CheckpointClient(service.url) as client:
         assert [c.step for c in client.list(run)] == [1, 2]
         for step in (1, 2):

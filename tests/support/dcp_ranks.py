@@ -107,13 +107,21 @@ def build(seed: int = 0, hsdp: bool = False) -> tuple[nn.Module, torch.optim.Opt
     return model, opt
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> str:
-    """One step on this rank's batch of ``step`` (the same on every run); the loss's bits."""
+def train_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    step: int,
+    before_update: Callable[[], None] | None = None,
+) -> str:
+    """One step on this rank's batch of ``step`` (the same on every run); the loss's bits.
+    ``before_update`` runs between the backward pass and the optimizer's step."""
     gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
     x = torch.randint(0, VOCAB, (4, 6), generator=gen)
     y = torch.randint(0, VOCAB, (4, 6), generator=gen)
     loss = nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
     loss.backward()
+    if before_update is not None:
+        before_update()
     opt.step()
     opt.zero_grad()
     return struct.pack("<f", loss.item()).hex()
@@ -248,10 +256,19 @@ def resharded_save(rank: int, world: int, port: int, url: str, run: str, grid_by
 
 
 def async_run(
-    rank: int, world: int, port: int, url: str, run: str, out: str, executor: str
+    rank: int,
+    world: int,
+    port: int,
+    url: str,
+    run: str,
+    out: str,
+    executor: str,
+    async_staging: bool = False,
 ) -> None:
     """Two dcp.async_save calls (steps 1 and 2), the second step's training beside the first
-    upload; rank 0 gathers the full state saved and notes the time until control came back."""
+    upload; rank 0 gathers the full state saved and notes the time until control came back.
+    ``async_staging``: the writer copies the state in a thread; the next step's forward and
+    backward passes run beside the copy, its optimizer step waits for it."""
     import time
 
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -261,27 +278,31 @@ def async_run(
     # the upload's collectives run beside training's: on a group of their own (as DCP advises)
     group = dist.new_group(backend="gloo")
     kind = AsyncCheckpointerType(executor)
-    writer = CkptStoreWriter(url, run)
+    writer = CkptStoreWriter(url, run, async_staging=async_staging)
     stalls = []
     futures = []
+    staged: list[Any] = []
     for step in (1, 2):
-        train_step(model, opt, step)  # overlaps the previous step's upload
+        # overlaps the previous step's upload (and, with async staging, its copy)
+        train_step(model, opt, step, lambda pending=staged: [s.result() for s in pending])
         full = gathered(model, opt)
         if rank == 0:
             torch.save(full, Path(out) / f"full-{step}.pt")
         if futures:  # one save in flight: two at once would interleave their collectives
             futures[-1].result()  # type: ignore[union-attr]
         start = time.perf_counter()
-        futures.append(
-            dcp.async_save(
-                sharded(model, opt),
-                storage_writer=writer,
-                checkpoint_id=step,
-                process_group=group,
-                async_checkpointer_type=kind,
-            )
+        response = dcp.async_save(
+            sharded(model, opt),
+            storage_writer=writer,
+            checkpoint_id=step,
+            process_group=group,
+            async_checkpointer_type=kind,
         )
         stalls.append(time.perf_counter() - start)
+        if async_staging:  # returned before the copy is done
+            staged = [response.staging_completion]  # type: ignore[union-attr]
+            response = response.upload_completion  # type: ignore[union-attr]
+        futures.append(response)
     for future in futures:
         future.result()  # type: ignore[union-attr]
     dist.barrier()
