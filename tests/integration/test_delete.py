@@ -30,7 +30,7 @@ from ckptstore_service.maintenance.delete import delete_checkpoint
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
 from ckptstore_service.storage import open_blob_store
-from support.blobs import blob_files, catalog_blobs, garbage_blobs
+from support.blobs import blob_files, catalog_blobs, check_store, garbage_blobs
 from support.parts import commit, save_in_parts, shards, tensors_of
 from support.s3server import s3_store
 from support.serviceproc import Service, wait_idle
@@ -61,19 +61,6 @@ def check_run(
     for step in steps:
         assert_same_state(states[step], client.load(run, step), path=f"step {step}")
     assert_same_state(states[steps[-1]], client.load(run), path="latest")
-
-
-def check_store(svc: Service, client: CheckpointClient) -> int:
-    """Once the service collected its garbage (grace 0): the blob folder holds exactly the
-    blobs the catalog names, of the sizes it records. Returns their total size."""
-    wait_idle(svc.url)
-    db = svc.data_dir / "catalog.sqlite3"
-    files = blob_files(svc.data_dir)
-    assert set(files) == catalog_blobs(db)
-    assert not garbage_blobs(db)
-    stored = sum(r.stored_bytes for r in client.runs())
-    assert sum(files.values()) == stored
-    return stored
 
 
 def test_delete_anywhere_in_a_chain_keeps_the_rest_exact(

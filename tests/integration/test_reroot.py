@@ -22,6 +22,7 @@ from ckptstore_service.catalog import Catalog
 from ckptstore_service.maintenance import RerootPolicy, collect_garbage, reroot
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
+from support.blobs import blob_files
 from support.s3server import s3_store
 from support.serviceproc import Service, wait_idle
 from support.states import assert_same_state, training_states
@@ -41,15 +42,6 @@ ENV = {
 @pytest.fixture(scope="module")
 def states() -> list[dict[str, Any]]:
     return training_states(STEPS)
-
-
-def blob_files(data_dir: Path) -> dict[str, int]:
-    root = data_dir / "blobs"
-    return {
-        str(p.relative_to(root)): p.stat().st_size
-        for p in root.rglob("*.blob")
-        if p.is_file() and p.relative_to(root).parts[0] != "tmp"
-    }
 
 
 def check_all(client: CheckpointClient, states: list[dict[str, Any]], run: str) -> None:

@@ -18,7 +18,7 @@ from ckptstore import CheckpointClient
 from ckptstore.cli import main
 from ckptstore_core.errors import CheckpointNotFound, CheckpointPinned, RunNotFound
 from ckptstore_core.retention import KeepBest, RetentionPolicy
-from support.blobs import blob_files, catalog_blobs, garbage_blobs
+from support.blobs import blob_files, check_store
 from support.serviceproc import Service, wait_idle
 from support.states import assert_same_state, training_states
 from support.waiting import wait_until
@@ -51,19 +51,6 @@ def check_loads(
     for step in steps:
         assert_same_state(states[step], client.load(run, step), path=f"{run}@{step}")
     assert_same_state(states[steps[-1]], client.load(run), path=f"{run}@latest")
-
-
-def check_store(svc: Service, client: CheckpointClient) -> int:
-    """After the collection (grace 0): the blob folder holds exactly the blobs the catalog
-    names, as many bytes as the listings say. Returns that total."""
-    wait_idle(svc.url)
-    db = svc.data_dir / "catalog.sqlite3"
-    files = blob_files(svc.data_dir)
-    assert set(files) == catalog_blobs(db)
-    assert not garbage_blobs(db)
-    stored = sum(r.stored_bytes for r in client.runs())
-    assert sum(files.values()) == stored
-    return stored
 
 
 def retention_passes(url: str, outcome: str) -> float:

@@ -6,7 +6,10 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-__all__ = ["blob_files", "catalog_blobs", "garbage_blobs"]
+from ckptstore import CheckpointClient
+from support.serviceproc import Service, wait_idle
+
+__all__ = ["blob_files", "catalog_blobs", "check_store", "garbage_blobs"]
 
 
 def blob_files(data_dir: Path) -> dict[str, int]:
@@ -31,3 +34,17 @@ def garbage_blobs(db_file: Path) -> set[str]:
     """The blobs on the SQLite catalog's garbage table."""
     with sqlite3.connect(db_file) as db:
         return {k for (k,) in db.execute("SELECT blob_key FROM garbage")}
+
+
+def check_store(svc: Service, client: CheckpointClient) -> int:
+    """Once the service (SQLite + local folder) collected its garbage (grace 0): the blob
+    folder holds exactly the blobs the catalog names, as many bytes as the listings say.
+    Returns that total."""
+    wait_idle(svc.url)
+    db = svc.data_dir / "catalog.sqlite3"
+    files = blob_files(svc.data_dir)
+    assert set(files) == catalog_blobs(db)
+    assert not garbage_blobs(db)
+    stored = sum(r.stored_bytes for r in client.runs())
+    assert sum(files.values()) == stored
+    return stored
