@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import random
+import select
 import socket
 import ssl
 import threading
@@ -115,9 +116,15 @@ class _Pool:
         self._lock = threading.Lock()
 
     def get(self) -> http.client.HTTPConnection:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
+        """An idle connection the service has not closed, else a new one."""
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                break
+            if not _dropped(conn):
+                return conn
+            conn.close()  # the service closed it while idle (its keep-alive timeout)
         if self._https:
             return http.client.HTTPSConnection(
                 self._host, self._port, timeout=self._timeout, context=ssl.create_default_context()
@@ -608,6 +615,20 @@ class CheckpointClient:
                 )
                 time.sleep(delay)
         raise AssertionError("unreachable")
+
+
+def _dropped(conn: http.client.HTTPConnection) -> bool:
+    """Whether an idle keep-alive connection was closed by its peer: its socket is readable
+    (an EOF, or bytes no request asked for) or gone. Without this check, the next request on
+    it would fail once (``RemoteDisconnected``) and cost a retry with its back-off."""
+    sock = conn.sock
+    if sock is None:
+        return True
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
 
 
 def _failure(url: str, exc: BaseException) -> str:
