@@ -42,8 +42,13 @@ Values
     anything is sent.
 
 Deleting
-    The service cannot delete checkpoints yet, so :meth:`CkptStoreCheckpointIO.remove_checkpoint`
-    (ModelCheckpoint's ``save_top_k``) keeps them, and says so once at info level.
+    :meth:`CkptStoreCheckpointIO.remove_checkpoint` (ModelCheckpoint's ``save_top_k``) and a
+    path saved again at a newer step (``last.ckpt``) release the step the path named; a step
+    that no path this plugin saved names any more is deleted from the service (the service
+    re-bases the checkpoints that rested on it: the others load as before). Never deleted:
+    a step this plugin loaded (the one a fit resumed from), a pinned one (the service
+    refuses; logged), and anything when the token may not delete (``403``: logged once, the
+    checkpoints stay). A step the run holds that this plugin never saved is left alone.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from ckptstore.client import CheckpointClient
-from ckptstore_core.errors import CheckpointExists, NotFound
+from ckptstore_core.errors import CheckpointExists, CheckpointPinned, Forbidden, NotFound
 from ckptstore_core.names import check_run_name
 
 try:
@@ -136,6 +141,7 @@ class CkptStoreCheckpointIO(CheckpointIO):
         self._lock = threading.Lock()
         self._paths: dict[str, int] = {}  # path Lightning saved to -> the step it names
         self._known: dict[int, str] = {}  # step of self.run this plugin saved or loaded -> by
+        self._loaded: set[int] = set()  # steps of self.run it loaded: never deleted
         self._told_about_remove = False
 
     def __getstate__(self) -> dict[str, Any]:
@@ -211,8 +217,11 @@ class CkptStoreCheckpointIO(CheckpointIO):
                 name,
             )
         with self._lock:
+            before = self._paths.get(name)
             self._paths[name] = step
             self._known.setdefault(step, name)
+        if before is not None and before != step:  # the file was overwritten: its old step
+            self._release(before)
 
     def load_checkpoint(
         self,
@@ -247,18 +256,37 @@ class CkptStoreCheckpointIO(CheckpointIO):
         if run == self.run and type(loaded_step) is int:
             with self._lock:
                 self._known.setdefault(loaded_step, self.checkpoint_path(loaded_step))
+                self._loaded.add(loaded_step)
         return checkpoint
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Keep the checkpoint: the service cannot delete yet. Logs that once, at info level.
-        ``path`` still loads afterwards."""
-        if not self._told_about_remove:
-            self._told_about_remove = True
-            logger.info(
-                "ckptstore keeps every checkpoint: Lightning asked to remove %s, but the "
-                "service cannot delete checkpoints yet, so the plugin leaves them all stored",
-                _path_key(path),
-            )
+        """Forget ``path``; delete its step from the service once no path this plugin saved
+        names it (see the module's doc: what is never deleted)."""
+        with self._lock:
+            step = self._paths.pop(_path_key(path), None)
+        if step is not None:
+            self._release(step)
+
+    def _release(self, step: int) -> None:
+        """Delete ``step`` of the run unless a saved path still names it or it was loaded."""
+        with self._lock:
+            if step in self._loaded or step in self._paths.values():
+                return
+            self._known.pop(step, None)
+        try:
+            self.client.delete(self.run, step)
+        except NotFound:
+            pass  # deleted already (by retention, another process)
+        except CheckpointPinned:
+            logger.info("step %d of run %r is pinned: the service keeps it", step, self.run)
+        except Forbidden as exc:
+            if not self._told_about_remove:
+                self._told_about_remove = True
+                logger.warning(
+                    "ckptstore keeps the checkpoints Lightning removes: this token may not "
+                    "delete (%s); the run's retention policy can delete them instead",
+                    exc.message,
+                )
 
     def teardown(self) -> None:
         """Close the idle connections (the client reopens them if the plugin is used again)."""
