@@ -193,6 +193,20 @@ def _is_text(value: str) -> bool:
     return True
 
 
+def _check_extent(name: str, dims: tuple[int, ...]) -> None:
+    """Refuse a shape whose nonzero dimensions multiply to 2^63 or more: an empty tensor of
+    it would be stored, but torch cannot make one (``[2^32, 2^32, 0]``: its size arithmetic
+    overflows), so the checkpoint could never be loaded."""
+    count = 1
+    for d in dims:
+        count *= max(d, 1)
+        if count > _MAX_INT:
+            raise InvalidStream(
+                f"tensor {name!r}: the nonzero dimensions of shape {list(dims)} multiply to "
+                "2^63 or more: no tensor can have it"
+            )
+
+
 def _parse_header_json(raw: bytes, header_len: int) -> Header:
     try:
         obj = json.loads(raw, object_pairs_hook=_unique_keys)
@@ -221,6 +235,7 @@ def _parse_header_json(raw: bytes, header_len: int) -> Header:
         if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
             raise InvalidStream(f"tensor {name!r}: shape must be a list of at most 64 dims")
         dims = tuple(_as_int(d, f"tensor {name!r}: dimension") for d in shape)
+        _check_extent(name, dims)
         if not isinstance(offsets, list) or len(offsets) != 2:
             raise InvalidStream(f"tensor {name!r}: data_offsets must be [begin, end]")
         begin = _as_int(offsets[0], f"tensor {name!r}: data_offsets")
