@@ -88,6 +88,42 @@ def test_file_locks_lie_beside_the_database(tmp_path: Path) -> None:
             "locks/r.lock",  # where a run's lock always was
             "locks/reroot/r.lock",
         ]
+    # a file lives only while its lock is held: nothing piles up per run, part or step
+    with locks.hold(RUN, "r", blocking=False) as held:
+        assert held
+    assert not list(tmp_path.rglob("*.lock"))
+
+
+def test_file_locks_exclude_while_their_files_come_and_go(tmp_path: Path) -> None:
+    """Holders unlink their file as they release: threads (each its own open file, as
+    processes are) taking one lock, blocking and not, never hold it two at a time."""
+    import threading
+    import time
+
+    locks = FileLocks(tmp_path / "locks")
+    inside = []
+    most = [0]
+    guard = threading.Lock()
+
+    def work(blocking: bool) -> None:
+        for _ in range(200):
+            with locks.hold(RUN, "shared", blocking=blocking) as held:
+                if not held:
+                    continue
+                with guard:
+                    inside.append(1)
+                    most[0] = max(most[0], len(inside))
+                time.sleep(0.0002)  # widens the window a second holder would show in
+                with guard:
+                    inside.pop()
+
+    threads = [threading.Thread(target=work, args=(i % 2 == 0,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1
+    assert not list(tmp_path.rglob("*.lock"))
 
 
 @pytest.mark.parametrize("run", ["", ".", "..", "a/b", "../r", "r\0"])

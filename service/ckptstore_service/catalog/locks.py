@@ -133,7 +133,11 @@ class AdvisoryLocks(RunLocks):
 
 class FileLocks(RunLocks):
     """flocks on files in ``folder``: ``<run>.lock`` for RUN (the name it always had),
-    ``<purpose>/<run>.lock`` for the others."""
+    ``<purpose>/<run>.lock`` for the others.
+
+    A file lives only while its lock is held: the holder unlinks it before releasing, and a
+    taker that locked a file which is no longer the one at the path (unlinked meanwhile)
+    lets it go and tries again. So no file is left per run, part or step ever locked."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -148,17 +152,39 @@ class FileLocks(RunLocks):
     @contextlib.contextmanager
     def hold(self, purpose: Purpose, run: str, *, blocking: bool = True) -> Iterator[bool]:
         path = self.path(purpose, run)
+        fd = _locked(path, blocking)
+        if fd is None:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # while still held: no one can be holding another file there
+            os.close(fd)  # releases the flock
+
+
+def _locked(path: Path, blocking: bool) -> int | None:
+    """An fd of ``path`` holding its flock, the file still at ``path``; None if another
+    holds it and ``blocking`` is False."""
+    while True:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-                held = True
-            except BlockingIOError:
-                held = False
-            yield held
-        finally:
-            os.close(fd)  # releases the flock
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(fd).st_ino:
+            return fd
+        os.close(fd)  # its holder unlinked it as we waited: take the file there now
 
 
 class ThreadLocks(RunLocks):
