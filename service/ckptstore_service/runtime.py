@@ -24,7 +24,7 @@ from ckptstore_service.save import Saver
 from ckptstore_service.save.parts import PartSaver
 from ckptstore_service.save.store import ChunkStore
 from ckptstore_service.settings import Settings
-from ckptstore_service.storage import BlobStore, open_blob_store
+from ckptstore_service.storage import BlobStore, S3Timeouts, open_blob_store
 
 __all__ = ["Runtime"]
 
@@ -113,6 +113,12 @@ class Runtime:
             s3_region=settings.s3_region,
             s3_path_style=settings.s3_path_style,
             s3_create_bucket=settings.s3_create_bucket,
+            s3_timeouts=S3Timeouts(
+                settings.s3_connect_timeout_s,
+                settings.s3_read_timeout_s,
+                settings.s3_deadline_s,
+                settings.readiness_timeout_s,
+            ),
         )
         cache = BaseCache(settings.resolved_cache_dir(), settings.cache_bytes)
         workers = settings.workers or os.cpu_count() or 2

@@ -69,6 +69,31 @@ class Settings(BaseSettings):
     s3_region: str | None = None
     s3_path_style: bool = False
     s3_create_bucket: bool = False
+    s3_connect_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Longest wait to open a connection to S3 (or to send on one), per attempt.",
+    )
+    s3_read_timeout_s: float = Field(
+        default=20.0,
+        gt=0,
+        description="Longest S3 may go without sending a byte of its answer, per attempt.",
+    )
+    s3_deadline_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Longest one S3 request (a part, a range, a head) may take with its "
+        "retries: a retry starts only if a stalled attempt would end by then. A frozen store "
+        "fails a save or load with 503 storage_unavailable within about this "
+        "(docs/deployment.md).",
+    )
+    readiness_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        description="GET /readyz: longest wait for the database and for the blob store each "
+        "(S3: its probe call's connect and read timeouts; also the clean-up after a failed "
+        "S3 write).",
+    )
 
     zstd_level: int = Field(
         default=1, ge=-7, le=22, description="zstd level of byte planes; 1 matched 3 in size."
@@ -118,6 +143,21 @@ class Settings(BaseSettings):
     max_header_bytes: int = Field(default=100 * MiB, ge=1024)
     max_concurrent_uploads: int = Field(
         default=64, ge=1, description="Uploads processed at once; more wait their turn."
+    )
+    upload_idle_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="An upload whose body sends no byte for this long is cut (408 "
+        "request_timeout): its slot and its run's lock are freed.",
+    )
+    upload_min_rate_bytes_s: float = Field(
+        default=1024.0,
+        ge=0,
+        description="An upload whose body averages fewer bytes per second than this over "
+        "CKPTSTORE_UPLOAD_RATE_WINDOW_S is cut (408); 0: no minimum.",
+    )
+    upload_rate_window_s: float = Field(
+        default=60.0, gt=0, description="The window the minimum upload rate is averaged over."
     )
     workers: int = Field(default=0, ge=0, description="Codec threads; 0 = number of CPUs.")
     host: str = Field(

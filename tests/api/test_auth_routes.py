@@ -30,6 +30,7 @@ def test_only_liveness_docs_and_sign_in_are_open() -> None:
     open_routes = {key for key, access in ROUTE_ACCESS.items() if access == PUBLIC}
     assert open_routes == {
         ("GET", "/healthz"),
+        ("GET", "/readyz"),
         ("GET", "/openapi.json"),
         ("GET", "/docs"),
         ("GET", "/docs/oauth2-redirect"),

@@ -165,6 +165,20 @@ class BlobStoreContract:
         store.delete("a/b")
         assert list(store.iter_keys()) == []
 
+    def test_discard_deletes_like_delete(self, store: BlobStore) -> None:
+        store.discard("never/written")
+        store.put_stream("a/b", [b"x"])
+        store.discard("a/b")
+        assert not store.exists("a/b")
+        with pytest.raises(ValueError):
+            store.discard("../escape")
+
+    def test_a_working_store_is_ready_and_leaves_nothing(self, store: BlobStore) -> None:
+        store.check_ready()
+        store.check_ready()
+        assert list(store.iter_keys()) == []
+        assert self.leftovers(store) == []
+
     def test_iter_keys(self, store: BlobStore) -> None:
         keys = ["runs/a/2", "runs/a/10", "runs/a-b/1", "runs/ab", "runs/a/sub/x", "other", "r"]
         for k in keys:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptstore_core.errors import StorageUnavailable
 from ckptstore_service.storage import BlobStore, LocalBlobStore
 from ckptstore_service.storage.local import _tmp_prefix
 
@@ -107,3 +108,18 @@ def test_abort_incomplete_finds_a_dead_writers_temp_file(tmp_path: Path) -> None
     assert not dead.exists() and live.exists()
     assert store.abort_incomplete([], older_than_s=0) == 1
     assert not live.exists()
+
+
+def test_readiness_fails_while_the_folder_is_gone_and_recovers(tmp_path: Path) -> None:
+    """A blob folder that disappeared (an unmounted volume) or became a file is not ready
+    (writable-by-mode checks would pass as root: the probe really writes a file)."""
+    store = LocalBlobStore(tmp_path / "blobs")
+    store.check_ready()
+    (tmp_path / "blobs").rename(tmp_path / "away")
+    (tmp_path / "blobs").write_bytes(b"not a folder")
+    with pytest.raises(StorageUnavailable, match="not writable"):
+        store.check_ready()
+    (tmp_path / "blobs").unlink()
+    (tmp_path / "away").rename(tmp_path / "blobs")
+    store.check_ready()
+    assert os.listdir(tmp_path / "blobs" / ".tmp") == []

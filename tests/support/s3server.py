@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,7 @@ from urllib.parse import urlsplit
 if TYPE_CHECKING:
     from ckptstore_service.storage.s3 import S3BlobStore
 
-__all__ = ["fake_aws_credentials", "s3_store", "start_moto"]
+__all__ = ["fake_aws_credentials", "frozen", "s3_store", "start_moto", "start_moto_process"]
 
 _CHILD = """
 import logging, sys
@@ -68,10 +69,12 @@ def start_moto(
     """Start a moto S3 server on 127.0.0.1 and a free port; returns ``(endpoint_url, stop)``."""
     if in_process:
         return _start_thread(timeout_s)
-    return _start_child(timeout_s)
+    url, stop, _ = start_moto_process(timeout_s)
+    return url, stop
 
 
-def _start_child(timeout_s: float) -> tuple[str, Callable[[], None]]:
+def start_moto_process(timeout_s: float = 60) -> tuple[str, Callable[[], None], int]:
+    """``start_moto()``'s child process, with its pid (to freeze it: :func:`frozen`)."""
     stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
         [sys.executable, "-c", _CHILD],
@@ -103,7 +106,18 @@ def _start_child(timeout_s: float) -> tuple[str, Callable[[], None]]:
             proc.stdout.close()
         stderr.close()
 
-    return f"http://127.0.0.1:{port}", stop
+    return f"http://127.0.0.1:{port}", stop, proc.pid
+
+
+@contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """The server process ``pid`` stopped (SIGSTOP) inside: it accepts connections (the
+    kernel does) but never answers, like a hung store; continued (SIGCONT) after, always."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def _start_thread(timeout_s: float) -> tuple[str, Callable[[], None]]:

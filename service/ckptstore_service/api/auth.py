@@ -93,6 +93,7 @@ _STEP = _RUNS + "/{step}"
 ROUTE_ACCESS: dict[tuple[str, str], Access] = {
     # liveness, the API's description and its offline docs pages: no data in them
     ("GET", "/healthz"): PUBLIC,
+    ("GET", "/readyz"): PUBLIC,  # readiness: "ok" or why the database or blob store is not
     ("GET", "/openapi.json"): PUBLIC,
     ("GET", "/docs"): PUBLIC,
     ("GET", "/docs/oauth2-redirect"): PUBLIC,

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Callable
 from typing import Annotated
 
+from anyio import to_thread
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -33,6 +37,7 @@ from ckptstore_service.storage.base import BlobNotFound
 __all__ = ["router", "stream_response", "unrouted"]
 
 router = APIRouter()
+log = logging.getLogger("ckptstore")
 
 # The run is a ``:path`` parameter: a name with a ``/`` (the client sends ``team%2Fexp1``,
 # which the server decodes before routing) still reaches its route, which refuses it by the
@@ -48,11 +53,82 @@ _SAVE_ERRORS = (InvalidRequest, InvalidStream, CheckpointExists, PayloadTooLarge
 
 @router.get("/healthz", responses=error_responses(StorageUnavailable))
 async def healthz(rt: RuntimeDep, maintenance: MaintenanceDep) -> dict[str, str | int]:
-    """Up, with the database reachable; ``maintenance``: runs whose re-root pass (which
+    """Liveness: up, with the database reachable (the blob store is not asked: that is
+    ``/readyz``'s); ``maintenance``: runs whose re-root pass (which
     also collects their replaced blobs) waits out its quiet time or runs; the periodic sweep
     of every run's garbage is not counted."""
     await run_in_threadpool(rt.catalog.ping)
     return {"status": "ok", "maintenance": maintenance.pending}
+
+
+@router.get(
+    "/readyz",
+    response_model=None,
+    responses={
+        200: {
+            "description": "Ready: the database and the blob store answered",
+            "content": {
+                "application/json": {
+                    "example": {"status": "ready", "database": "ok", "blob_store": "ok"}
+                }
+            },
+        },
+        503: {
+            "description": "Not ready: `database` or `blob_store` says why (and `error`, "
+            "the error body, names the first that failed)",
+            "content": {
+                "application/json": {
+                    "example": {
+                        "status": "not_ready",
+                        "database": "ok",
+                        "blob_store": "no answer within 3 s",
+                        "error": {
+                            "code": "storage_unavailable",
+                            "message": "blob store: no answer within 3 s",
+                        },
+                    }
+                }
+            },
+        },
+    },
+)
+async def readyz(rt: RuntimeDep) -> JSONResponse:
+    """Ready to serve: the database and the blob store each answer a cheap call (a
+    ``SELECT 1``; a one-key listing or a probe file) within CKPTSTORE_READINESS_TIMEOUT_S,
+    checked at once. For readiness probes and the compose healthcheck; ``/healthz`` is the
+    cheap liveness check."""
+    timeout = rt.settings.readiness_timeout_s
+    database, blob_store = await asyncio.gather(
+        _probe("database", rt.catalog.ping, timeout),
+        _probe("blob store", rt.store.check_ready, timeout),
+    )
+    body: dict[str, object] = {"status": "ready", "database": database, "blob_store": blob_store}
+    failed = [(name, why) for name, why in body.items() if name != "status" and why != "ok"]
+    if not failed:
+        return JSONResponse(body)
+    name, why = failed[0]
+    body["status"] = "not_ready"
+    body["error"] = {
+        "code": StorageUnavailable.code,
+        "message": f"{name.replace('_', ' ')}: {why}",
+    }
+    return JSONResponse(body, status_code=503)
+
+
+async def _probe(name: str, check: Callable[[], None], timeout: float) -> str:
+    """``"ok"`` if ``check`` returns within ``timeout`` seconds, else why not, in a few words
+    (the route is open to anyone: the details, endpoints and paths, go to the log). The check
+    runs in a thread that is left behind if it overruns: the answer never waits for it."""
+    try:
+        await asyncio.wait_for(to_thread.run_sync(check, abandon_on_cancel=True), timeout)
+    except TimeoutError:
+        why = f"no answer within {timeout:g} s"
+        log.warning("readiness: %s: %s", name, why)
+        return why
+    except Exception as exc:
+        log.warning("readiness: %s: %s: %s", name, type(exc).__name__, exc)
+        return "unavailable (the service's log says why)"
+    return "ok"
 
 
 @router.get("/v1/runs", responses=error_responses(StorageUnavailable))

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Self
 
-from ckptstore_core.errors import InvalidStream
+from ckptstore_core.errors import InvalidStream, StorageUnavailable
 from ckptstore_service.catalog import Catalog, NewChunk, PartRecord, TensorInfo
 from ckptstore_service.handoff import unbatched
 from ckptstore_service.names import blob_key
@@ -117,8 +117,15 @@ def _blob_gone(store: BlobStore, key: str) -> bool:
     """Delete a failed save's blob; whether it is gone (or was never written). Only then may
     its ``writing`` row go: the row is what names a finished blob to the start-up
     collection, which nothing else would ever find."""
-    if _cleanup(store.delete, key):
+    try:
+        store.discard(key)
         return True
+    except StorageUnavailable as exc:
+        # Not answering: asking whether the blob exists would wait as long again.
+        log.warning("clean-up after a failed save: %s: %s", type(exc).__name__, exc)
+        return False
+    except Exception as exc:
+        log.warning("clean-up after a failed save: %s: %s", type(exc).__name__, exc)
     try:
         return not store.exists(key)
     except Exception:

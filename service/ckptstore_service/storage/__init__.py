@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import unquote, urlsplit
 
 from .base import BlobNotFound, BlobStore, Buffer, check_key
@@ -20,9 +21,19 @@ __all__ = [
     "BlobStore",
     "Buffer",
     "LocalBlobStore",
+    "S3Timeouts",
     "check_key",
     "open_blob_store",
 ]
+
+
+class S3Timeouts(NamedTuple):
+    """The S3 store's waits, in seconds (``S3BlobStore``'s arguments of the same names)."""
+
+    connect_timeout: float = 5
+    read_timeout: float = 20
+    deadline: float = 60
+    probe_timeout: float = 3
 
 
 def open_blob_store(
@@ -32,6 +43,7 @@ def open_blob_store(
     s3_region: str | None = None,
     s3_path_style: bool = False,
     s3_create_bucket: bool = False,
+    s3_timeouts: S3Timeouts | None = None,
 ) -> BlobStore:
     """The blob store for ``url``; the ``s3_*`` options apply to ``s3://`` URLs only."""
     parts = urlsplit(url)
@@ -55,6 +67,7 @@ def open_blob_store(
             region=s3_region,
             path_style=s3_path_style,
             create_bucket=s3_create_bucket,
+            **(s3_timeouts or S3Timeouts())._asdict(),
         )
     raise ValueError(
         f"unsupported blob store URL {url!r}: use file:///absolute/path, a plain path, "

@@ -21,6 +21,11 @@ Contract (every backend, checked by tests/storage/contract.py):
 * ``exists(key)``; ``delete(key)`` is idempotent (deleting a missing key is not an error).
 * ``iter_keys(prefix)`` yields the keys of committed blobs that start with ``prefix`` (a plain
   string prefix, not a folder), sorted by code point (S3's listing order).
+* ``discard(key)`` is ``delete`` for the clean-up after a failed write: same effect, but it
+  may give up sooner (a store that just failed is likely still failing; the caller's own error
+  should not wait on it).
+* ``check_ready()`` returns once the store can serve requests now, or raises
+  ``StorageUnavailable`` saying why, within a few seconds (the readiness probe, ``/readyz``).
 * Every method but ``iter_keys`` raises ``ValueError`` for a key ``check_key`` rejects.
 * Backend failures (unreachable, throttled past retries) raise
   ``ckptstore_core.errors.StorageUnavailable`` translated with ``raise ... from exc``.
@@ -76,6 +81,14 @@ class BlobStore(abc.ABC):
 
     @abc.abstractmethod
     def iter_keys(self, prefix: str = "") -> Iterator[str]: ...
+
+    def discard(self, key: str) -> None:
+        """``delete`` after a failed write; backends with long waits bound it tighter."""
+        self.delete(key)
+
+    @abc.abstractmethod
+    def check_ready(self) -> None:
+        """Raise ``StorageUnavailable`` unless the store answers now (bounded: seconds)."""
 
     def abort_incomplete(
         self, keys: Collection[str] = (), older_than_s: float | None = None

@@ -301,6 +301,21 @@ class LocalBlobStore(BlobStore):
         keys.sort()
         yield from keys
 
+    # -- readiness ---------------------------------------------------------------------------
+
+    def check_ready(self) -> None:
+        """Create, write and remove a one-byte file in the temp folder: the folder is there,
+        writable and not out of space (what the next save needs)."""
+        try:
+            fd, path = tempfile.mkstemp(dir=self._tmp, prefix="ready-", suffix=".probe")
+            try:
+                _write_all(fd, memoryview(b"\0"))
+            finally:
+                os.close(fd)
+                os.unlink(path)
+        except OSError as exc:
+            raise StorageUnavailable(f"blob directory {self.root} is not writable: {exc}") from exc
+
     # -- garbage collection -----------------------------------------------------------------
 
     def abort_incomplete(

@@ -14,6 +14,18 @@ removed by ``abort_stale_uploads`` (or by a bucket lifecycle rule).
 Reads of more than two parts fetch part-sized ranges in parallel, pinned to the first response's
 ETag so that an object replaced mid-read is re-read rather than torn.
 
+Every wait is bounded, so a store that stops answering (frozen, partitioned) fails an operation
+with ``StorageUnavailable`` within seconds rather than minutes: ``connect_timeout`` and
+``read_timeout`` bound each socket wait of an attempt, and ``deadline`` bounds one operation --
+one request with its retries (one part of a multipart upload, one range of a read, one head) --
+as a whole: a retry starts only if a stalled attempt (``connect_timeout + read_timeout``) would
+still end within the deadline. A stalled operation therefore fails within
+``max(deadline, connect_timeout + read_timeout)`` plus a retry's back-off sleep; an operation
+that keeps moving data is never cut (a large part on a slow link takes what it takes). The
+clean-up after a failure (aborting a multipart upload, ``discard``) and ``check_ready`` use a
+second client with short timeouts (``probe_timeout``) and no retry: a store that just failed is
+likely still failing, and the caller's error should not wait on it.
+
 boto3 is an optional dependency (``pip install 'ckptstore[s3]'``), imported when a store is built.
 """
 
@@ -21,6 +33,8 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
+import time
 from collections.abc import Collection, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -48,6 +62,45 @@ _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 # Whole-read attempts when the object changes under a multi-request read.
 _READ_ATTEMPTS = 3
+# botocore's per-call context: the deadline of the call's operation
+_DEADLINE_KEY = "ckptstore_deadline"
+
+
+class _Deadline:
+    """The time one operation (a request and its retries, or a read's body attempts) may take.
+
+    ``begin_attempt`` is called before each attempt: the first always starts; a later one only
+    if a stalled attempt (``attempt_s``: connect plus read timeout) would end by the deadline.
+    """
+
+    def __init__(self, total_s: float, attempt_s: float) -> None:
+        self.start = time.monotonic()
+        self.total_s = total_s
+        self._attempt_s = attempt_s
+        self.attempts = 0
+        self.last_error = ""
+
+    def begin_attempt(self) -> None:
+        elapsed = time.monotonic() - self.start
+        if self.attempts and elapsed + self._attempt_s > self.total_s:
+            raise _DeadlineExceeded(
+                attempts=self.attempts,
+                elapsed=elapsed,
+                deadline=self.total_s,
+                error=self.last_error or "no answer",
+            )
+        self.attempts += 1
+
+
+class _DeadlineExceeded(Exception):
+    """An operation ran out of time (raised from botocore's request hook, translated to
+    ``StorageUnavailable`` by ``S3BlobStore._errors``)."""
+
+    def __init__(self, *, attempts: int, elapsed: float, deadline: float, error: str) -> None:
+        super().__init__(
+            f"gave up after {attempts} attempt(s) in {elapsed:.1f} s "
+            f"(deadline {deadline:g} s, CKPTSTORE_S3_DEADLINE_S): {error}"
+        )
 
 
 @dataclass(frozen=True)
@@ -85,10 +138,12 @@ class S3BlobStore(BlobStore):
 
     ``endpoint_url`` selects a non-AWS store (MinIO, Ceph, moto); ``path_style`` addresses the
     bucket in the path rather than the host name, which most of those need. ``create_bucket``
-    creates a missing bucket at construction. Timeouts are per request, in seconds;
-    ``max_attempts`` counts the first try (botocore "standard" retries, with backoff, on
-    throttling, 5xx and connection errors). Credentials come from boto3's usual chain
-    (environment, shared config, instance role).
+    creates a missing bucket at construction. ``connect_timeout`` and ``read_timeout`` bound
+    each socket wait, ``deadline`` one operation with its retries, ``probe_timeout`` the
+    clean-up and readiness calls (seconds; see the module docstring); ``max_attempts`` counts
+    the first try (botocore "standard" retries, with backoff, on throttling, 5xx and connection
+    errors), within the deadline. Credentials come from boto3's usual chain (environment,
+    shared config, instance role).
     """
 
     def __init__(
@@ -103,7 +158,9 @@ class S3BlobStore(BlobStore):
         part_size: int = 8 * MiB,
         max_concurrency: int = 4,
         connect_timeout: float = 5,
-        read_timeout: float = 60,
+        read_timeout: float = 20,
+        deadline: float = 60,
+        probe_timeout: float = 3,
         max_attempts: int = 5,
     ) -> None:
         try:
@@ -117,13 +174,20 @@ class S3BlobStore(BlobStore):
             raise ValueError(f"part_size must be in [{MIN_PART_SIZE}, {MAX_PART_SIZE}]")
         if max_concurrency < 1 or max_attempts < 1:
             raise ValueError("max_concurrency and max_attempts must be at least 1")
+        if min(connect_timeout, read_timeout, deadline, probe_timeout) <= 0:
+            raise ValueError("S3 timeouts and the deadline must be positive")
         prefix = prefix.strip("/")
         self.bucket = bucket
         self.prefix = check_key(prefix) + "/" if prefix else ""
         self.part_size = part_size
         self.max_concurrency = max_concurrency
         self._max_attempts = max_attempts
+        self.deadline = deadline
+        self._attempt_s = connect_timeout + read_timeout
+        self._scope = threading.local()  # .deadline: the operation this thread is in
 
+        session = boto3.session.Session()
+        addressing = {"addressing_style": "path" if path_style else "auto"}
         config = Config(
             region_name=region,
             connect_timeout=connect_timeout,
@@ -131,11 +195,21 @@ class S3BlobStore(BlobStore):
             retries={"mode": "standard", "max_attempts": max_attempts},
             # Several calls share the client, each with up to max_concurrency requests.
             max_pool_connections=max(10, 4 * max_concurrency + 2),
-            s3={"addressing_style": "path" if path_style else "auto"},
+            s3=addressing,
         )
-        self._client = boto3.session.Session().client(
-            "s3", endpoint_url=endpoint_url, config=config
+        self._client = session.client("s3", endpoint_url=endpoint_url, config=config)
+        self._client.meta.events.register("request-created.s3", self._before_attempt)
+        self._client.meta.events.register("response-received.s3", self._after_attempt)
+        # Clean-up and readiness: short timeouts, one attempt.
+        probe = Config(
+            region_name=region,
+            connect_timeout=probe_timeout,
+            read_timeout=probe_timeout,
+            retries={"mode": "standard", "max_attempts": 1},
+            max_pool_connections=4,
+            s3=addressing,
         )
+        self._probe = session.client("s3", endpoint_url=endpoint_url, config=probe)
         self.endpoint_url: str = self._client.meta.endpoint_url
         # Mirror s3transfer: under botocore's default integrity protection ("when_supported")
         # a multipart upload declares CRC32, each part carries one and the completion lists
@@ -155,6 +229,57 @@ class S3BlobStore(BlobStore):
 
     def close(self) -> None:
         self._client.close()
+        self._probe.close()
+
+    # -- deadlines ---------------------------------------------------------------------------
+
+    @contextmanager
+    def _operation(self) -> Iterator[_Deadline]:
+        """One deadline for every request this thread makes inside (an outer one wins)."""
+        outer: _Deadline | None = getattr(self._scope, "deadline", None)
+        if outer is not None:
+            yield outer
+            return
+        self._scope.deadline = deadline = _Deadline(self.deadline, self._attempt_s)
+        try:
+            yield deadline
+        finally:
+            self._scope.deadline = None
+
+    def _before_attempt(self, request: object, **_: object) -> None:
+        """botocore hook, before each attempt of a request (retries included), in the
+        caller's thread: refuses an attempt the operation's deadline leaves no time for."""
+        context: dict[str, object] = getattr(request, "context", {})
+        deadline = context.get(_DEADLINE_KEY)
+        if not isinstance(deadline, _Deadline):
+            scoped = getattr(self._scope, "deadline", None)
+            deadline = scoped or _Deadline(self.deadline, self._attempt_s)
+            context[_DEADLINE_KEY] = deadline
+        deadline.begin_attempt()
+
+    @staticmethod
+    def _after_attempt(context: dict[str, object], exception: object = None, **_: object) -> None:
+        """botocore hook, after each attempt: remembers why it failed, for the deadline's
+        error message."""
+        deadline = context.get(_DEADLINE_KEY)
+        if isinstance(deadline, _Deadline) and exception is not None:
+            deadline.last_error = f"{type(exception).__name__}: {exception}"
+
+    # -- readiness and clean-up ------------------------------------------------------------
+
+    def check_ready(self) -> None:
+        """List at most one key under the prefix (what the service's own listings need),
+        with the short probe timeout and no retry."""
+        with self._errors("readiness check (list)"):
+            self._probe.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)
+
+    def discard(self, key: str) -> None:
+        full = self.prefix + check_key(key)
+        try:
+            with self._errors("delete", key):
+                self._probe.delete_object(Bucket=self.bucket, Key=full)
+        except BlobNotFound:
+            pass
 
     # -- errors -----------------------------------------------------------------------------
 
@@ -171,7 +296,7 @@ class S3BlobStore(BlobStore):
             return StorageUnavailable(
                 f"S3 {subject} failed on {self._where}: {code} (HTTP {status}) {message}".rstrip()
             )
-        if isinstance(exc, BotoCoreError):
+        if isinstance(exc, (BotoCoreError, _DeadlineExceeded)):
             return StorageUnavailable(f"S3 {subject} failed on {self._where}: {exc}")
         return None
 
@@ -302,7 +427,20 @@ class S3BlobStore(BlobStore):
         return b"".join([first.data, *rest])
 
     def _fetch(self, key: str, full: str, start: int, end: int, if_match: str | None) -> _Piece:
-        """Bytes ``[start, end)`` (clipped to the object), retrying a body cut off mid-read."""
+        """Bytes ``[start, end)`` (clipped to the object), retrying a body cut off mid-read;
+        one deadline for all of it."""
+        with self._operation() as deadline:
+            return self._fetch_within(deadline, key, full, (start, end), if_match)
+
+    def _fetch_within(
+        self,
+        deadline: _Deadline,
+        key: str,
+        full: str,
+        span: tuple[int, int],
+        if_match: str | None,
+    ) -> _Piece:
+        """:meth:`_fetch` inside its operation's ``deadline``."""
         from botocore.exceptions import (
             ClientError,
             ConnectionClosedError,
@@ -311,15 +449,16 @@ class S3BlobStore(BlobStore):
             ResponseStreamingError,
         )
 
-        span = f"bytes={start}-{end - 1}"
+        start, end = span
+        header = f"bytes={start}-{end - 1}"
         for attempt in range(1, self._max_attempts + 1):
             with self._errors("get", key):
                 try:
                     if if_match is None:
-                        resp = self._client.get_object(Bucket=self.bucket, Key=full, Range=span)
+                        resp = self._client.get_object(Bucket=self.bucket, Key=full, Range=header)
                     else:
                         resp = self._client.get_object(
-                            Bucket=self.bucket, Key=full, Range=span, IfMatch=if_match
+                            Bucket=self.bucket, Key=full, Range=header, IfMatch=if_match
                         )
                 except ClientError as exc:
                     if _status(exc) == 416 or _code(exc) == "InvalidRange":
@@ -334,9 +473,10 @@ class S3BlobStore(BlobStore):
                     IncompleteReadError,
                     ReadTimeoutError,
                     ConnectionClosedError,
-                ):
+                ) as exc:
                     if attempt == self._max_attempts:
                         raise
+                    deadline.last_error = f"{type(exc).__name__}: {exc}"
                     continue
             etag = str(resp.get("ETag", ""))
             match = _CONTENT_RANGE.fullmatch(str(resp.get("ContentRange", "")))
@@ -526,7 +666,7 @@ class _MultipartUpload:
         store = self._store
         try:
             with store._errors("abort multipart upload of", self._key):
-                store._client.abort_multipart_upload(
+                store._probe.abort_multipart_upload(
                     Bucket=store.bucket, Key=self._full, UploadId=self._upload_id
                 )
         except Exception:
