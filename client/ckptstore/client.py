@@ -46,6 +46,7 @@ from ckptstore_core.errors import (
     CorruptData,
     InvalidStream,
     NotFound,
+    RequestTimeout,
     ServiceUnavailable,
     StorageUnavailable,
     error_from_code,
@@ -592,7 +593,7 @@ class CheckpointClient:
         for n in range(self.retries + 1):
             try:
                 return attempt()
-            except (*_TRANSIENT, StorageUnavailable) as exc:
+            except (*_TRANSIENT, StorageUnavailable, RequestTimeout) as exc:
                 if n == self.retries:
                     if isinstance(exc, CkptStoreError):
                         raise

@@ -147,6 +147,15 @@ class CheckpointPinned(CkptStoreError):
     status = 409
 
 
+class RequestTimeout(CkptStoreError):
+    """The upload's body stalled: no byte for the service's idle timeout, or fewer than its
+    minimum rate over a window. Nothing was stored; the slot and the run's lock are free
+    again. The client retries it, sending the body anew."""
+
+    code = "request_timeout"
+    status = 408
+
+
 class PayloadTooLarge(CkptStoreError):
     """The header or the whole checkpoint is over the service's limits."""
 

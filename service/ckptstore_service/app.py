@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptstore_core.errors import CkptStoreError, InternalError, InvalidRequest
 from ckptstore_service.api import auth, dashboard, lifecycle, parts, retention
+from ckptstore_service.api.body import BodyLimits, Uploads
 from ckptstore_service.api.instrument import instrument
 from ckptstore_service.api.routes import router, unrouted
 from ckptstore_service.auth import OPEN, auth_required
@@ -64,7 +65,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         runtime = await run_in_threadpool(Runtime.open, settings, metrics)
         app.state.runtime = runtime
         await run_in_threadpool(_log_auth, settings, tokens_required, runtime)
-        app.state.upload_limiter = anyio.CapacityLimiter(settings.max_concurrent_uploads)
+        app.state.uploads = Uploads(
+            anyio.CapacityLimiter(settings.max_concurrent_uploads),
+            BodyLimits(
+                idle_s=settings.upload_idle_timeout_s,
+                min_rate=settings.upload_min_rate_bytes_s,
+                window_s=settings.upload_rate_window_s,
+            ),
+        )
         app.state.maintenance = Maintenance(
             runtime.catalog,
             runtime.store,

@@ -9,17 +9,21 @@ uploads cannot starve the thread pool the other routes use, and a consumer that 
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
-from ckptstore_core.errors import InvalidRequest, InvalidStream
+from ckptstore_core.errors import InvalidRequest, InvalidStream, RequestTimeout
 from ckptstore_service.handoff import unbatched
 
 __all__ = [
+    "BodyLimits",
     "BodyPipe",
+    "Uploads",
     "consume_body",
     "content_length_of",
     "drain",
@@ -33,6 +37,25 @@ _BATCH = 1 << 20  # body bytes handed over at a time while the consumer is busy
 _DRAIN_LIMIT = 16 << 20  # read at most this much of a rejected body before answering
 _DRAIN_SECONDS = 5.0
 _END = object()
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """How slow a body may be: ``idle_s`` without a byte, or fewer than ``min_rate`` bytes
+    per second over any ``window_s`` (0: no minimum), and the upload is cut
+    (:class:`RequestTimeout`), releasing its slot and the run's lock."""
+
+    idle_s: float
+    min_rate: float
+    window_s: float
+
+
+@dataclass(frozen=True)
+class Uploads:
+    """The uploads' worker slots (apart from the pool other routes share) and limits."""
+
+    limiter: anyio.CapacityLimiter
+    limits: BodyLimits
 
 
 class BodyPipe:
@@ -74,17 +97,35 @@ class BodyPipe:
         return unbatched(received(), _END)
 
 
-async def receive_body(request: Request, ended: list[bool]) -> AsyncIterator[bytes]:
-    """The request body, like ``request.stream()``; appends to ``ended`` at its last piece."""
+async def receive_body(
+    request: Request, ended: list[bool], limits: BodyLimits
+) -> AsyncIterator[bytes]:
+    """The request body, like ``request.stream()``; appends to ``ended`` at its last piece.
+    RequestTimeout when it stalls past ``limits``."""
+    window_start, window_bytes = time.monotonic(), 0
     while True:
-        message = await request.receive()
+        with anyio.move_on_after(limits.idle_s) as idle:
+            message = await request.receive()
+        if idle.cancelled_caught:
+            raise RequestTimeout(f"the upload sent no byte for {limits.idle_s:g} s: cut")
         if message["type"] == "http.disconnect":
             raise ClientDisconnect()
         more = message.get("more_body", False)
         if not more:
             ended.append(True)
-        if message.get("body"):
-            yield message["body"]
+        piece = message.get("body", b"")
+        window_bytes += len(piece)
+        now = time.monotonic()
+        if more and limits.min_rate and now - window_start >= limits.window_s:
+            rate = window_bytes / (now - window_start)
+            if rate < limits.min_rate:
+                raise RequestTimeout(
+                    f"the upload sent {rate:.0f} bytes/s over {now - window_start:.0f} s, "
+                    f"under the minimum of {limits.min_rate:g}: cut"
+                )
+            window_start, window_bytes = now, 0
+        if piece:
+            yield piece
         if not more:
             return
 
@@ -115,6 +156,8 @@ async def pump(body: AsyncIterator[bytes], pipe: BodyPipe) -> None:
         await pipe.put(_END)
     except ClientDisconnect:
         await pipe.put(InvalidStream("client disconnected in the middle of the upload"))
+    except RequestTimeout as exc:
+        await pipe.put(exc)
 
 
 async def drain(request: Request) -> None:
@@ -132,13 +175,18 @@ async def drain(request: Request) -> None:
 
 async def consume_body(
     request: Request,
-    limiter: anyio.CapacityLimiter,
+    uploads: Uploads,
     consume: Callable[[Iterable[bytes], int | None], T],
 ) -> T:
-    """Run ``consume(body, content_length)`` in a worker thread (one of ``limiter``'s) while
-    the event loop streams the request body into it; returns what it returns, or raises
-    what it raised once a little more of a rejected body is read (see :func:`drain`)."""
+    """Run ``consume(body, content_length)`` in a worker thread (one of ``uploads``' slots)
+    while the event loop streams the request body into it; returns what it returns, or
+    raises what it raised once a little more of a rejected body is read (see
+    :func:`drain`). The slot is taken once the body's first bytes arrived: a client that
+    sends only its request's headers holds none (and is cut after the idle timeout)."""
     content_length = content_length_of(request)
+    ended: list[bool] = []
+    body = receive_body(request, ended, uploads.limits)
+    first = await _first_piece(body, content_length)
     pipe = BodyPipe()
     outcome: list[T] = []
     failure: list[BaseException] = []
@@ -151,17 +199,36 @@ async def consume_body(
         finally:
             pipe.close()
 
-    ended: list[bool] = []
     async with anyio.create_task_group() as tg:
-        tg.start_soon(pump, receive_body(request, ended), pipe)
-        await anyio.to_thread.run_sync(run, limiter=limiter)
+        tg.start_soon(pump, _chained(first, body), pipe)
+        await anyio.to_thread.run_sync(run, limiter=uploads.limiter)
         if failure:
             tg.cancel_scope.cancel()  # rejected: stop waiting for the rest of the body
     if failure:
-        if not ended:
-            await drain(request)
+        if not ended and not isinstance(failure[0], RequestTimeout):  # a stalled client
+            await drain(request)  # would only stall the answer
         raise failure[0]
     return outcome[0]
+
+
+async def _first_piece(body: AsyncIterator[bytes], content_length: int | None) -> bytes | None:
+    """The body's first bytes (None: it has none); a client that disconnects or stalls
+    before sending any gets its error here, before it takes a slot."""
+    if content_length == 0:
+        return None
+    try:
+        return await anext(body)
+    except StopAsyncIteration:
+        return None
+    except ClientDisconnect:
+        raise InvalidStream("client disconnected before sending its body") from None
+
+
+async def _chained(first: bytes | None, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first is not None:
+        yield first
+    async for piece in rest:
+        yield piece
 
 
 def content_length_of(request: Request) -> int | None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import anyio
 from fastapi import Depends, Request
 
+from ckptstore_service.api.body import Uploads
 from ckptstore_service.maintenance import Maintenance
 from ckptstore_service.runtime import Runtime
 
@@ -21,13 +21,14 @@ def _runtime(request: Request) -> Runtime:
 RuntimeDep = Annotated[Runtime, Depends(_runtime)]
 
 
-def _upload_limiter(request: Request) -> anyio.CapacityLimiter:
-    """Threads for uploads in progress, apart from the pool that the other routes share."""
-    limiter: anyio.CapacityLimiter = request.app.state.upload_limiter
-    return limiter
+def _uploads(request: Request) -> Uploads:
+    """Threads for uploads in progress, apart from the pool that the other routes share,
+    and how slow a body may be."""
+    uploads: Uploads = request.app.state.uploads
+    return uploads
 
 
-UploadLimiterDep = Annotated[anyio.CapacityLimiter, Depends(_upload_limiter)]
+UploadLimiterDep = Annotated[Uploads, Depends(_uploads)]
 
 
 def _maintenance(request: Request) -> Maintenance:
