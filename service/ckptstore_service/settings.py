@@ -159,21 +159,6 @@ class Settings(BaseSettings):
     upload_rate_window_s: float = Field(
         default=60.0, gt=0, description="The window the minimum upload rate is averaged over."
     )
-    upload_idle_timeout_s: float = Field(
-        default=60.0,
-        gt=0,
-        description="An upload whose body sends no byte for this long is cut (408 "
-        "request_timeout): its slot and its run's lock are freed.",
-    )
-    upload_min_rate_bytes_s: float = Field(
-        default=1024.0,
-        ge=0,
-        description="An upload whose body averages fewer bytes per second than this over "
-        "CKPTSTORE_UPLOAD_RATE_WINDOW_S is cut (408); 0: no minimum.",
-    )
-    upload_rate_window_s: float = Field(
-        default=60.0, gt=0, description="The window the minimum upload rate is averaged over."
-    )
     workers: int = Field(default=0, ge=0, description="Codec threads; 0 = number of CPUs.")
     host: str = Field(
         default="127.0.0.1",
