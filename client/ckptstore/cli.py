@@ -304,6 +304,18 @@ def _rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fork(args: argparse.Namespace) -> int:
+    """Fork ``SRC@STEP`` into the new run ``NEW`` (no bytes copied)."""
+    run, step = args.source
+    with _client(args) as client:
+        info = client.fork(run, step, args.new_run)
+    print(
+        f"forked {run}@{step} into {info.run}@{info.step}: {_human(info.raw_bytes)} "
+        f"loads, {_human(info.stored_bytes)} stored (its chunks refer to {run}'s)"
+    )
+    return 0
+
+
 def _progress(args: argparse.Namespace) -> bool:
     """A bar when asked for (``--progress``, or refused with ``--no-progress``); otherwise
     when stderr is a terminal and tqdm is installed."""
@@ -468,6 +480,14 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("-y", "--yes", action="store_true", help="allow deleting whole runs")
     p.set_defaults(func=_rm)
+
+    p = sub.add_parser(
+        "fork", parents=[common],
+        help="make a new run whose first checkpoint is SRC@STEP's, without copying bytes",
+    )  # fmt: skip
+    p.add_argument("source", metavar="SRC@STEP", type=_step_ref, help="the checkpoint to fork")
+    p.add_argument("new_run", metavar="NEW", help="the new run (must have no checkpoints)")
+    p.set_defaults(func=_fork)
 
     for name, what in (("pin", "keep checkpoints from every delete"), ("unpin", "undo pin")):
         p = sub.add_parser(name, parents=[common], help=what)

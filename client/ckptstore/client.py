@@ -346,6 +346,20 @@ class CheckpointClient:
         chain. Raises RunNotFound if it has none (a retry as :meth:`delete`)."""
         self._delete(self._run_path(run))
 
+    def fork(self, src_run: str, src_step: int, new_run: str) -> CheckpointInfo:
+        """Make run ``new_run`` whose first checkpoint, at ``src_step``, loads to exactly
+        the bytes of checkpoint ``src_step`` of ``src_run``, without copying them (its
+        chunks refer to the source's); ``new_run``'s later saves are deltas of it, so a
+        fine-tune's first save costs about a delta. Deleting the source (checkpoint or run)
+        leaves the fork whole. Raises RunNotFound / CheckpointNotFound for an absent source,
+        CheckpointExists (409) if ``new_run`` has checkpoints, Forbidden without read on
+        ``src_run``. A retry after a lost answer that finds this fork made takes it as done.
+        Returns the new checkpoint as listed (docs/lifecycle.md, Forks)."""
+        check_run_name(src_run)
+        body = {"from_run": src_run, "from_step": int(src_step)}
+        obj = self._call("POST", self._run_path(new_run) + "/fork", body)
+        return CheckpointInfo.from_json(obj)
+
     def pin(self, run: str, step: int) -> CheckpointInfo:
         """Pin checkpoint ``step`` of ``run``: no delete takes it (:meth:`delete` raises
         CheckpointPinned; retention keeps it) until :meth:`unpin`. Returns it as listed."""

@@ -160,12 +160,19 @@ class RunDetail:
     pinned: list[int]
     retention: RetentionPolicy | None
     effective_retention: RetentionPolicy | None
+    #: the bytes of the blobs the run's checkpoints own (a fork's first checkpoint: none)
+    stored_bytes: int = 0
+    #: the stored bytes of other runs' chunks its checkpoints rest on (a fork's source)
+    shared_bytes: int = 0
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> RunDetail:
+        record = RunInfo.from_json(obj["record"])
         return cls(
-            RunInfo.from_json(obj["record"]),
+            record,
             [int(s) for s in obj["pinned"]],
             _policy(obj.get("retention")),
             _policy(obj.get("effective_retention")),
+            int(obj.get("stored_bytes", record.stored_bytes)),
+            int(obj.get("shared_bytes", 0)),
         )

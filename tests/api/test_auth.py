@@ -96,6 +96,9 @@ CALLS: dict[tuple[str, str], Call] = {
         "PUT", "/v1/runs/{run}/retention", json={"keep_last": 1}
     ),
     ("DELETE", "/v1/runs/{run:path}/retention"): Call("DELETE", "/v1/runs/{run}/retention"),
+    ("POST", "/v1/runs/{run:path}/fork"): Call(
+        "POST", "/v1/runs/{run}/fork", json={"from_run": "team-b-1", "from_step": 1}
+    ),
     ("GET", "/v1/tokens"): Call("GET", "/v1/tokens"),
     ("POST", "/v1/tokens"): Call("POST", "/v1/tokens", json={"name": "x", "scope": "admin"}),
     ("DELETE", "/v1/tokens/{token}"): Call("DELETE", "/v1/tokens/admin"),
@@ -235,6 +238,25 @@ def test_a_refused_save_is_answered_before_its_body_is_read(
     assert closed
     with CheckpointClient(svc.url, token=tokens["reader"]) as client:
         assert [c.step for c in client.list("team-b-1")] == [1]
+
+
+def test_a_fork_needs_read_on_its_source(svc: Service, tokens: dict[str, str]) -> None:
+    """Write on the new run (the middleware) and read on the source (the route): a writer of
+    team-a-* forks team-a-1, not team-b-1, and a refused fork makes no run."""
+    with httpx.Client(base_url=svc.url, headers=_bearer(tokens["writer-a"])) as http:
+        body = {"from_run": "team-b-1", "from_step": 1}
+        refused = http.post("/v1/runs/team-a-fork/fork", json=body)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["code"] == "forbidden"
+        assert "team-b-1" in refused.json()["error"]["message"]
+        assert http.get("/v1/runs/team-a-fork").status_code == 404
+        body = {"from_run": "team-a-1", "from_step": 1}
+        assert http.post("/v1/runs/team-a-fork/fork", json=body).status_code == 201
+    with CheckpointClient(svc.url, token=tokens["reader-a"]) as reader:
+        loaded = reader.load("team-a-fork", 1)
+        assert all(torch.equal(loaded[k], STATE[k]) for k in STATE)
+    with CheckpointClient(svc.url, token=tokens["admin"]) as admin:
+        admin.delete_run("team-a-fork")  # the module's other tests know two runs
 
 
 def test_the_least_token_that_should_pass_passes(svc: Service, tokens: dict[str, str]) -> None:

@@ -120,6 +120,8 @@ ROUTE_ACCESS: dict[tuple[str, str], Access] = {
     ("DELETE", _STEP + "/pin"): Access("admin", run=True),
     ("PUT", "/v1/runs/{run:path}/retention"): Access("admin", run=True),
     ("DELETE", "/v1/runs/{run:path}/retention"): Access("admin", run=True),
+    # a fork writes the new run; the route checks read on the source (its body names it)
+    ("POST", "/v1/runs/{run:path}/fork"): _WRITE_RUN,
     ("GET", "/v1/tokens"): _ADMIN,
     ("POST", "/v1/tokens"): _ADMIN,
     ("DELETE", "/v1/tokens/{token}"): _ADMIN,

@@ -84,6 +84,14 @@ class RetentionOut(BaseModel):
 class RunOut(RetentionOut):
     record: RunInfo = Field(description="The run, its committed checkpoints summed")
     pinned: list[int] = Field(description="The steps of its pinned checkpoints")
+    stored_bytes: int = Field(
+        description="The bytes of the blobs this run's checkpoints own (a fork's first "
+        "checkpoint owns none); after collection, exactly what the run takes in the store"
+    )
+    shared_bytes: int = Field(
+        description="The stored bytes of other runs' chunks this run's checkpoints rest on "
+        "(a fork's source), each counted once; not in stored_bytes"
+    )
 
 
 def _retention_out(rt: Runtime, run: str) -> RetentionOut:
@@ -158,7 +166,13 @@ def _run_out(rt: Runtime, run: str) -> RunOut:
         raise RunNotFound(f"run {run!r} has no checkpoints")
     pinned = [i.step for i in rt.catalog.list_checkpoints(run) if i.pinned]
     policies = _retention_out(rt, run)
-    return RunOut(record=found[0], pinned=pinned, **dict(policies))
+    return RunOut(
+        record=found[0],
+        pinned=pinned,
+        stored_bytes=found[0].stored_bytes,
+        shared_bytes=rt.catalog.shared_bytes(run),
+        **dict(policies),
+    )
 
 
 # one segment, as DELETE /v1/runs/{run}: deeper paths stay unrouted
@@ -169,6 +183,8 @@ def _run_out(rt: Runtime, run: str) -> RunOut:
 )
 async def get_run(run: Run, rt: RuntimeDep) -> RunOut:
     """The run (its committed checkpoints summed), the steps of its pinned checkpoints, its
-    own retention policy and the one applied (its own, else the service's default)."""
+    own retention policy and the one applied (its own, else the service's default), and
+    its bytes: those of the blobs it owns, and those of other runs' chunks it rests on (a
+    fork's source) apart."""
     check_run_name(run)
     return await run_in_threadpool(_run_out, rt, run)

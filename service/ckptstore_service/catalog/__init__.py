@@ -228,6 +228,10 @@ class Catalog:
     def list_checkpoints(self, run: str) -> list[CheckpointRecord]:
         return checkpoints.list_checkpoints(self._db, run)
 
+    def records_by_id(self, ids: Collection[int]) -> dict[int, CheckpointRecord]:
+        """The committed checkpoints ``ids``, of any run, by id."""
+        return checkpoints.records_by_id(self._db, ids)
+
     def list_runs(self, name: str | None = None) -> list[RunInfo]:
         """Every run with a committed checkpoint (or only run ``name``), summed."""
         return checkpoints.list_runs(self._db, name)
@@ -287,6 +291,14 @@ class Catalog:
         """The chunks of other checkpoints whose base is one of this checkpoint's chunks."""
         return graph.dependents(self._db, checkpoint_id)
 
+    def run_dependents(self, run: str) -> list[ChunkInfo]:
+        """The chunks of other runs whose base is a chunk of one of ``run``'s checkpoints."""
+        return graph.run_dependents(self._db, run)
+
+    def shared_bytes(self, run: str) -> int:
+        """The stored bytes of other runs' chunks that ``run``'s chunks rest on."""
+        return graph.shared_bytes(self._db, run)
+
     # -- deleting checkpoints and runs (:mod:`.lifecycle`) -----------------------------------
 
     def open_parts_step(self, run: str) -> int | None:
@@ -302,10 +314,17 @@ class Catalog:
         (:func:`.lifecycle.commit_delete` states the contract)."""
         return lifecycle.commit_delete(self._db, run, changes)
 
-    def delete_run(self, run: str, not_before: datetime) -> tuple[int, list[str]]:
-        """Delete every checkpoint of ``run``; their blobs are garbage from ``not_before``
-        (:func:`.lifecycle.delete_run`)."""
-        return lifecycle.delete_run(self._db, run, not_before)
+    def delete_run(
+        self,
+        run: str,
+        not_before: datetime,
+        rebase: garbage.RerootChanges | None = None,
+        parts: Sequence[PartBlob] = (),
+    ) -> tuple[int, list[str]]:
+        """Delete every checkpoint of ``run``; their blobs are garbage from ``not_before``;
+        the re-base of other runs' chunks resting on them (``rebase``, ``parts``) in the same
+        transaction (:func:`.lifecycle.delete_run`)."""
+        return lifecycle.delete_run(self._db, run, not_before, rebase, parts)
 
     # -- pins and retention policies (:mod:`.retention`) ------------------------------------
 

@@ -7,6 +7,7 @@ Only ``committed`` rows are ever returned: an upload in progress (a ``writing`` 
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 from sqlalchemy import func, insert, select
@@ -137,6 +138,16 @@ def list_checkpoints(db: Database, run: str) -> list[CheckpointRecord]:
     if not rows and not run_exists(db, run):
         raise RunNotFound(f"run {run!r} has no checkpoints")
     return [_info(r) for r in rows]
+
+
+def records_by_id(db: Database, ids: Collection[int]) -> dict[int, CheckpointRecord]:
+    """The committed checkpoints ``ids`` (of any run), by id; those not committed are left
+    out. A delete's re-base or a re-root reaches checkpoints of other runs (forks)."""
+    if not ids:
+        return {}
+    query = _info_query().where(Checkpoint.id.in_(sorted(ids)))
+    with db.session() as s:
+        return {r.id: r for r in map(_info, s.execute(query).all())}
 
 
 def list_runs(db: Database, name: str | None = None) -> list[RunInfo]:

@@ -15,10 +15,18 @@ from sqlalchemy import func, select
 
 from ckptstore_core.errors import CorruptData
 from ckptstore_service.catalog.db import Database
-from ckptstore_service.catalog.models import Checkpoint, Chunk, Part, TensorRow
+from ckptstore_service.catalog.models import COMMITTED, Checkpoint, Chunk, Part, Run, TensorRow
 from ckptstore_service.catalog.records import ChunkInfo, NewChunk, TensorInfo
 
-__all__ = ["chunk_tree", "chunks", "dependents", "descendants", "tensors"]
+__all__ = [
+    "chunk_tree",
+    "chunks",
+    "dependents",
+    "descendants",
+    "run_dependents",
+    "shared_bytes",
+    "tensors",
+]
 
 _CHUNK_COLUMNS = (*NewChunk.__slots__, "id")
 # how many ids one recursive query starts from (bound parameters per statement are limited)
@@ -127,3 +135,47 @@ def dependents(db: Database, checkpoint_id: int) -> list[ChunkInfo]:
     )
     with db.session() as s:
         return [_chunk(r) for r in s.execute(query).all()]
+
+
+def _run_chunk_ids(run: str) -> Any:
+    """The ids of the chunks of ``run``'s committed checkpoints (a subquery)."""
+    return (
+        select(Chunk.id)
+        .join(Checkpoint, Checkpoint.id == Chunk.checkpoint_id)
+        .join(Run, Run.id == Checkpoint.run_id)
+        .where(Run.name == run, Checkpoint.status == COMMITTED)
+    )
+
+
+def run_dependents(db: Database, run: str) -> list[ChunkInfo]:
+    """The chunks of other runs' checkpoints (forks, and their later saves) whose base is a
+    chunk of one of ``run``'s checkpoints, by checkpoint, tensor and offset."""
+    own = _run_chunk_ids(run)
+    query = (
+        _chunk_query()
+        .join(Run, Run.id == Checkpoint.run_id)
+        .where(Chunk.base_id.in_(own), Run.name != run)
+        .order_by(Chunk.checkpoint_id, Chunk.tensor_idx, Chunk.offset)
+    )
+    with db.session() as s:
+        return [_chunk(r) for r in s.execute(query).all()]
+
+
+def shared_bytes(db: Database, run: str) -> int:
+    """The stored bytes of the chunks of other runs that ``run``'s chunks rest on (their
+    chains reach them: a fork's refs and what those chunks rest on), each counted once."""
+    seed = select(Chunk.base_id.label("id")).where(
+        Chunk.id.in_(_run_chunk_ids(run)), Chunk.base_id.is_not(None)
+    )
+    reach = seed.cte("up", recursive=True)
+    reach = reach.union(
+        select(Chunk.base_id).join(reach, Chunk.id == reach.c.id).where(Chunk.base_id.is_not(None))
+    )
+    query = (
+        select(func.coalesce(func.sum(Chunk.stored_len), 0))
+        .join(Checkpoint, Checkpoint.id == Chunk.checkpoint_id)
+        .join(Run, Run.id == Checkpoint.run_id)
+        .where(Chunk.id.in_(select(reach.c.id)), Run.name != run)
+    )
+    with db.session() as s:
+        return int(s.scalar(query) or 0)

@@ -120,15 +120,7 @@ def commit_delete(db: Database, run: str, changes: DeleteChanges) -> list[str]:
             raise CheckpointNotFound(f"checkpoint {x} of run {run!r} is gone")
         if row.pinned:
             raise pinned_refusal(run, [row.step])
-        for p in changes.parts:
-            moved = s.execute(
-                update(Part)
-                .where(Part.id == p.part_id, Part.blob_key == p.blob_key)
-                .values(blob_key=p.new_blob_key, stored_bytes=p.stored_bytes)
-                .returning(Part.id)
-            ).all()
-            if len(moved) != 1:
-                raise CorruptData(f"part {p.part_id} changed during a delete's re-base")
+        _move_parts(s, changes.parts)
         apply_rewrite(s, row.run_id, changes.rebase)
         s.execute(
             update(Checkpoint).where(Checkpoint.parent_id == x).values(parent_id=row.parent_id)
@@ -136,8 +128,29 @@ def commit_delete(db: Database, run: str, changes: DeleteChanges) -> list[str]:
         blobs = [row.blob_key, *s.scalars(select(Part.blob_key).where(Part.checkpoint_id == x))]
         _tombstone(s, [x])
         retire(s, row.run_id, blobs, changes.rebase.not_before)
-        _count_since_keyframe(s, row.run_id)
+        _count_since_keyframe(s, {row.run_id, *_runs_of(s, changes.rebase)})
     return [k for k in blobs if k]
+
+
+def _move_parts(s: Session, parts: Sequence[PartBlob]) -> None:
+    """Point the parts a re-base rewrote at their new blobs; CorruptData if one changed."""
+    for p in parts:
+        moved = s.execute(
+            update(Part)
+            .where(Part.id == p.part_id, Part.blob_key == p.blob_key)
+            .values(blob_key=p.new_blob_key, stored_bytes=p.stored_bytes)
+            .returning(Part.id)
+        ).all()
+        if len(moved) != 1:
+            raise CorruptData(f"part {p.part_id} changed during a delete's re-base")
+
+
+def _runs_of(s: Session, rebase: RerootChanges | None) -> set[int]:
+    """The runs of the checkpoints a re-base changes (forks of the run deleted from)."""
+    ids = [] if rebase is None else [c.id for c in rebase.checkpoints]
+    if not ids:
+        return set()
+    return {int(r) for r in s.scalars(select(Checkpoint.run_id).where(Checkpoint.id.in_(ids)))}
 
 
 def _tombstone(s: Session, ids: list[int]) -> None:
@@ -152,9 +165,15 @@ def _tombstone(s: Session, ids: list[int]) -> None:
     )
 
 
-def _count_since_keyframe(s: Session, run_id: int) -> None:
-    """``since_keyframe`` of the run's committed checkpoints, counted again by step (a save
-    reads its parent's to decide on a keyframe; a delete takes one out of the count)."""
+def _count_since_keyframe(s: Session, run_ids: set[int]) -> None:
+    """``since_keyframe`` of the runs' committed checkpoints, counted again by step (a save
+    reads its parent's to decide on a keyframe; a delete takes one out of the count, a
+    re-base may make a fork's checkpoint a keyframe)."""
+    for run_id in sorted(run_ids):
+        _count_run_since_keyframe(s, run_id)
+
+
+def _count_run_since_keyframe(s: Session, run_id: int) -> None:
     rows = s.execute(
         select(Checkpoint.id, Checkpoint.keyframe, Checkpoint.since_keyframe)
         .where(Checkpoint.run_id == run_id, Checkpoint.status == COMMITTED)
@@ -168,15 +187,22 @@ def _count_since_keyframe(s: Session, run_id: int) -> None:
             s.execute(query.values(since_keyframe=since))
 
 
-def delete_run(db: Database, run: str, not_before: datetime) -> tuple[int, list[str]]:
+def delete_run(
+    db: Database,
+    run: str,
+    not_before: datetime,
+    rebase: RerootChanges | None = None,
+    parts: Sequence[PartBlob] = (),
+) -> tuple[int, list[str]]:
     """Delete every committed checkpoint of ``run``, in one transaction: each becomes a
     tombstone, and its blobs (its own, its parts') garbage from ``not_before``. Returns how
     many went and their blobs; RunNotFound if the run has none, CheckpointPinned (nothing
     deleted) if one of them is pinned.
 
     The run's row stays: the garbage rows name it (and would go with it), and a later save
-    under the same name starts a fresh chain in it. Chunks of other runs never rest on this
-    run's (a run's saves diff against its own checkpoints only).
+    under the same name starts a fresh chain in it. Chunks of other runs (forks) that rest
+    on this run's are re-based first, by the caller; ``rebase`` and ``parts`` (as
+    :func:`commit_delete` takes them) are their rows, applied in the same transaction.
     """
     with db.session() as s:
         run_id = s.scalar(select(Run.id).where(Run.name == run).with_for_update())
@@ -194,9 +220,13 @@ def delete_run(db: Database, run: str, not_before: datetime) -> tuple[int, list[
         pinned = [int(r.step) for r in rows if r.pinned]
         if pinned:
             raise pinned_refusal(run, pinned)
+        _move_parts(s, parts)
+        if rebase is not None:
+            apply_rewrite(s, run_id, rebase)
         ids = [int(r.id) for r in rows]
         blobs = [r.blob_key for r in rows]
         blobs += s.scalars(select(Part.blob_key).where(Part.checkpoint_id.in_(ids))).all()
         _tombstone(s, ids)
         retire(s, run_id, blobs, not_before)
+        _count_since_keyframe(s, _runs_of(s, rebase))
     return len(ids), [k for k in blobs if k]

@@ -32,6 +32,12 @@ What keeps it safe:
   grace time; a load that starts after the commit gets 404 for X
   (:class:`~ckptstore_service.restore.Loader` turns a checkpoint that vanished between its
   catalog reads into a 404) and the exact bytes of every other checkpoint.
+* Chunks of other runs may rest on X's: a fork's refs (:mod:`.fork`) and its later saves'
+  deltas. They are re-based like the run's own, into new blobs of their own runs, under
+  those runs' re-root locks and locks too (taken after X's run's: a fork is younger than
+  its source, so the order never loops). A whole run's delete (:func:`delete_run`)
+  re-bases the chunks of other runs resting on any of its checkpoints, in the same
+  transaction that deletes it: no byte another run loads is ever lost.
 * A deleted checkpoint's base-cache file is never served nor used as a save's base: the
   cache is keyed by checkpoint id, and X's id never names another checkpoint
   (:mod:`ckptstore_service.cache_policy`).
@@ -43,6 +49,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from functools import partial
@@ -115,40 +122,37 @@ def delete_checkpoint(
     check: Callable[[CheckpointRecord], None] | None = None,
 ) -> Deleted:
     """Delete checkpoint ``step`` of ``run`` (see the module's docstring); returns what it
-    did. Raises RunNotFound / CheckpointNotFound if there is none, RunBusy while the run has
-    a checkpoint being written in parts. Takes the run's re-root lock, then its lock, and
-    holds both throughout. ``pool`` runs the decoding and encoding; the new encodings are
-    spooled to unnamed files in ``scratch``. A delete that fails changes no row and deletes
-    what it wrote. CheckpointPinned for a pinned checkpoint (a pin that lands during the
-    re-base refuses it at the commit). ``check``, if given, is called with the checkpoint
-    under the locks before any work: it raises to call the delete off (retention
-    re-decides there, :mod:`.retention`)."""
+    did. Raises RunNotFound / CheckpointNotFound if there is none, RunBusy while the run (or
+    a run resting on it: a fork) has a checkpoint being written in parts. Takes the run's
+    re-root lock, then its lock, then those of the runs whose chunks rest on the checkpoint's
+    (forks: :func:`_lock_dependents`), and holds them throughout. ``pool`` runs the decoding
+    and encoding; the new encodings are spooled to unnamed files in ``scratch``. A delete
+    that fails changes no row and deletes what it wrote. CheckpointPinned for a pinned
+    checkpoint (a pin that lands during the re-base refuses it at the commit). ``check``, if
+    given, is called with the checkpoint under the locks before any work: it raises to call
+    the delete off (retention re-decides there, :mod:`.retention`)."""
     t0 = time.perf_counter()
-    with catalog.reroot_lock(run), catalog.run_lock(run):
+    with ExitStack() as held:
+        _lock_run(held, catalog, run)
         x = catalog.get(run, step)
         if x.pinned:
             raise pinned_refusal(run, [step])
         if check is not None:
             check(x)
         _check_not_busy(catalog, run)
-        deps = catalog.dependents(x.id)
-        spools = Spools(scratch)
-        registered: list[str] = []  # on the garbage table, written or not
-        committed = False
-        try:
-            new, rebased = _rebase(catalog, store, x, deps, spools, pool, policy)
-            registered = list(new.keys.values())
-            changes, replaced = _changes(catalog, x, rebased, spools, new, policy.grace_s)
-            catalog.commit_delete(run, changes)
-            committed = True
-        finally:
-            spools.close()
-            if not committed:
-                drop_new_blobs(catalog, store, registered)
+        deps = _lock_dependents(held, catalog, run, partial(catalog.dependents, x.id))
+        gone = {c.id for c in catalog.chunks(x.id)}
+
+        def commit(rebase: RerootChanges, parts: list[PartBlob]) -> None:
+            catalog.commit_delete(run, DeleteChanges(x.id, rebase, parts))
+
+        chunks, new, replaced = _rebase_and_commit(
+            catalog, store, run, (gone, {x.id}), deps, policy, scratch, pool, commit
+        )
     written = sum(new.stored.values())
     done = Deleted(
         checkpoint=x,
-        chunks=len(spools.chunks),
+        chunks=chunks,
         blobs=len(new.keys),
         bytes_rewritten=written,
         bytes_freed=x.stored_bytes + replaced - written,
@@ -164,6 +168,70 @@ def delete_checkpoint(
         done.seconds,
     )
     return done
+
+
+def _lock_run(held: ExitStack, catalog: Catalog, run: str) -> None:
+    """Take ``run``'s re-root lock, then its lock, until ``held`` closes."""
+    held.enter_context(catalog.reroot_lock(run))
+    held.enter_context(catalog.run_lock(run))
+
+
+def _lock_dependents(
+    held: ExitStack, catalog: Catalog, run: str, find: Callable[[], list[ChunkInfo]]
+) -> list[ChunkInfo]:
+    """The chunks that rest on what is deleted (``find``), once the locks of every other run
+    holding one (a fork of ``run``, or a fork of a fork) are held too (until ``held``
+    closes): the re-base rewrites those runs' blobs, and a save to such a run may plan
+    deltas of the deleted chunks. RunBusy if one of those runs has a checkpoint being
+    written in parts. Forks are made after their source, so locks are always taken source
+    first: no two deletes wait for each other."""
+    taken = {run}
+    while True:
+        deps = find()
+        ids = {d.checkpoint_id for d in deps}
+        owners = catalog.records_by_id(ids)
+        if owners.keys() != ids:
+            raise RunBusy(
+                f"a checkpoint being written rests on run {run!r}'s checkpoints: retry once "
+                "it is committed"
+            )
+        runs = {o.run for o in owners.values()} - taken
+        if not runs:
+            return deps
+        for other in sorted(runs):
+            _lock_run(held, catalog, other)
+            _check_not_busy(catalog, other)
+            taken.add(other)
+
+
+def _rebase_and_commit(
+    catalog: Catalog,
+    store: BlobStore,
+    run: str,
+    gone: tuple[set[int], set[int]],
+    deps: list[ChunkInfo],
+    policy: RerootPolicy,
+    scratch: Path,
+    pool: Executor,
+    commit: Callable[[RerootChanges, list[PartBlob]], None],
+) -> tuple[int, NewBlobs, int]:
+    """Re-base ``deps`` off the chunks going (``gone``: their ids, and their checkpoints'),
+    write the new blobs, and ``commit`` the changes; a failure deletes what was written.
+    Returns the chunks re-based, the new blobs and the bytes of the blobs they replace."""
+    spools = Spools(scratch)
+    registered: list[str] = []  # on the garbage table, written or not
+    committed = False
+    try:
+        new, rebased = _rebase(catalog, store, run, gone[0], deps, spools, pool, policy)
+        registered = list(new.keys.values())
+        rebase, parts, replaced = _changes(catalog, gone[1], rebased, spools, new, policy.grace_s)
+        commit(rebase, parts)
+        committed = True
+    finally:
+        spools.close()
+        if not committed:
+            drop_new_blobs(catalog, store, registered)
+    return len(spools.chunks), new, replaced
 
 
 def _new_base(closure: dict[int, ChunkInfo], gone: set[int], d: ChunkInfo) -> ChunkInfo | None:
@@ -197,21 +265,22 @@ def _rebase_chunk(
 def _rebase(
     catalog: Catalog,
     store: BlobStore,
-    x: CheckpointRecord,
+    run: str,
+    gone: set[int],
     deps: list[ChunkInfo],
     spools: Spools,
     pool: Executor,
     policy: RerootPolicy,
 ) -> tuple[NewBlobs, dict[int, ChunkInfo]]:
-    """Re-encode ``deps`` (the chunks resting on ``x``'s) into ``spools`` and write the
-    new blobs of the blobs holding them, named on the garbage table first. Returns them, and
-    the rows the re-base read (the re-based chunks, their chains, their new bases)."""
+    """Re-encode ``deps`` (the chunks resting on the chunks ``gone``, of ``run``) into
+    ``spools`` and write the new blobs of the blobs holding them (of their own runs: forks
+    too), named on the garbage table first. Returns them, and the rows the re-base read (the
+    re-based chunks, their chains, their new bases)."""
     if not deps:
         return NewBlobs(keys={}, garbage_ids=[]), {}
     closure: dict[int, ChunkInfo] = {}
     for ck in sorted({d.checkpoint_id for d in deps}):
         closure.update(catalog.chunk_tree(ck)[1])
-    gone = {c.id for c in catalog.chunks(x.id)}
     decoder = ChainDecoder(store, closure, 2 * policy.bytes_in_flight)
     jobs = []
     # where a chain ends in the deleted checkpoint, the first chunk resting on it is stored
@@ -225,14 +294,16 @@ def _rebase(
         size = d.raw_len * (1 if base is None else 2)
         jobs.append((size, partial(_rebase_chunk, decoder, d, base, policy.zstd_level)))
     encode_all(jobs, spools, pool, None, policy.bytes_in_flight)
-    step_of = {i.id: i.step for i in catalog.list_checkpoints(x.run)}
     owner = {d.blob_key: d.checkpoint_id for d in deps}
-    keys = {old: blob_key(x.run, step_of[owner[old]]) for old in sorted(spools.files)}
+    info = catalog.records_by_id(set(owner.values()))
+    keys = {
+        old: blob_key(info[owner[old]].run, info[owner[old]].step) for old in sorted(spools.files)
+    }
     # Named before they exist: a crash from here on leaves only blobs the table names.
     # Due only after the time a crashed upload is given: the collector must not take a
     # blob this delete is about to commit (and the commit checks that it did not).
     due = datetime.now(UTC) + timedelta(seconds=policy.new_blob_due_s)
-    new = NewBlobs(keys=keys, garbage_ids=catalog.add_garbage(x.run, keys.values(), due))
+    new = NewBlobs(keys=keys, garbage_ids=catalog.add_garbage(run, keys.values(), due))
     for old in keys:
         rows = [c for c in catalog.chunks(owner[old]) if c.blob_key == old]
         rewrite_blob(store, rows, old, spools, new)
@@ -269,21 +340,22 @@ def _depths(
 
 def _changes(
     catalog: Catalog,
-    x: CheckpointRecord,
+    gone: set[int],
     rows: dict[int, ChunkInfo],
     spools: Spools,
     new: NewBlobs,
     grace_s: float,
-) -> tuple[DeleteChanges, int]:
-    """The delete's commit, and the bytes of the blobs it replaces."""
+) -> tuple[RerootChanges, list[PartBlob], int]:
+    """The re-base's changes (of the chunks resting on the checkpoints ``gone``), the parts'
+    new blobs, and the bytes of the blobs it replaces."""
     below: dict[int, ChunkInfo] = {}
     if spools.chunks:
         found = catalog.descendants(spools.chunks.keys())
-        below = {c.id: c for c in found if c.checkpoint_id != x.id}
+        below = {c.id: c for c in found if c.checkpoint_id not in gone}
     depth = _depths(spools, rows, below)
     affected = {c.checkpoint_id for c in below.values()}
     affected |= {rows[i].checkpoint_id for i in spools.chunks}
-    by_id = {i.id: i for i in catalog.list_checkpoints(x.run)}
+    by_id = catalog.records_by_id(affected)
     updates = dict(new.rows)
     checkpoints: list[CheckpointUpdate] = []
     parts: list[PartBlob] = []
@@ -313,17 +385,48 @@ def _changes(
         retired=list(new.keys),
         not_before=datetime.now(UTC) + timedelta(seconds=grace_s),
     )
-    return DeleteChanges(x.id, rebase, parts), replaced
+    return rebase, parts, replaced
 
 
-def delete_run(catalog: Catalog, run: str, grace_s: float) -> int:
+def delete_run(
+    catalog: Catalog,
+    store: BlobStore,
+    run: str,
+    policy: RerootPolicy,
+    *,
+    scratch: Path,
+    pool: Executor,
+) -> int:
     """Delete every checkpoint of ``run``: their blobs (their own, their parts') go on the
-    garbage table due after ``grace_s``, their rows go (the checkpoints' own stay as
-    tombstones). Returns how many went; RunNotFound if none, RunBusy while the run has a
-    checkpoint being written in parts. Under the run's re-root lock and its lock."""
-    with catalog.reroot_lock(run), catalog.run_lock(run):
+    garbage table due after the grace time, their rows go (the checkpoints' own stay as
+    tombstones). Chunks of other runs that rest on the run's (forks of it) are re-based
+    first, as a delete of one checkpoint re-bases (the first resting on a chunk stored
+    whole, the others on it), under those runs' locks too, and committed in the same
+    transaction. Returns how many went; RunNotFound if none, CheckpointPinned if one is
+    pinned, RunBusy while the run (or a fork of it) has a checkpoint being written in
+    parts. Under the run's re-root lock and its lock."""
+    with ExitStack() as held:
+        _lock_run(held, catalog, run)
         _check_not_busy(catalog, run)
-        due = datetime.now(UTC) + timedelta(seconds=grace_s)
-        count, blobs = catalog.delete_run(run, due)
+        infos = catalog.list_checkpoints(run)
+        pinned = [i.step for i in infos if i.pinned]
+        if pinned:
+            raise pinned_refusal(run, pinned)
+        deps = _lock_dependents(held, catalog, run, partial(catalog.run_dependents, run))
+        due = datetime.now(UTC) + timedelta(seconds=policy.grace_s)
+        if not deps:
+            count, blobs = catalog.delete_run(run, due)
+        else:
+            ids = {i.id for i in infos}
+            gone = {c.id for i in ids for c in catalog.chunks(i)}
+            out: list[tuple[int, list[str]]] = []
+
+            def commit(rebase: RerootChanges, parts: list[PartBlob]) -> None:
+                out.append(catalog.delete_run(run, due, rebase, parts))
+
+            _rebase_and_commit(
+                catalog, store, run, (gone, ids), deps, policy, scratch, pool, commit
+            )
+            count, blobs = out[0]
     log.info("deleted run %s: %d checkpoints, %d blobs to collect", run, count, len(blobs))
     return count

@@ -333,6 +333,8 @@ def _commit(catalog: Catalog, run: str, spools: Spools, new: NewBlobs, grace_s: 
     depth, below = new_depths(catalog, {i: s.depth for i, s in spools.chunks.items()})
     infos = catalog.list_checkpoints(run)
     by_id = {i.id: i for i in infos}
+    # chunks of forks of the run rest on its chunks: their depths follow too
+    by_id.update(catalog.records_by_id({c.checkpoint_id for c in below} - by_id.keys()))
     rewritten = {i.id: i.blob_key for i in infos if i.blob_key in new.keys}
     updates = dict(new.rows)
     checkpoints = []

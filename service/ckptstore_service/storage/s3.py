@@ -192,7 +192,7 @@ class S3BlobStore(BlobStore):
             region_name=region,
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
-            retries={"mode": "standard", "max_attempts": max_attempts},
+            retries={"mode": "standard", "total_max_attempts": max_attempts},
             # Several calls share the client, each with up to max_concurrency requests.
             max_pool_connections=max(10, 4 * max_concurrency + 2),
             s3=addressing,
@@ -205,7 +205,7 @@ class S3BlobStore(BlobStore):
             region_name=region,
             connect_timeout=probe_timeout,
             read_timeout=probe_timeout,
-            retries={"mode": "standard", "max_attempts": 1},
+            retries={"mode": "standard", "total_max_attempts": 1},
             max_pool_connections=4,
             s3=addressing,
         )
