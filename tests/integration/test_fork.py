@@ -23,7 +23,7 @@ from ckptstore_core.errors import (
 )
 from support.blobs import blob_files, check_store
 from support.parts import commit, save_in_parts, tensors_of
-from support.serviceproc import Service
+from support.serviceproc import Service, wait_idle
 from support.states import assert_same_state, training_states
 from support.waiting import wait_until
 
@@ -128,6 +128,41 @@ def test_retention_on_the_source_keeps_the_fork(
     check_store(svc, client)
     client.delete_run("f2")
     check(client, "f3", states, [2])
+    check_store(svc, client)
+
+
+def maintenance_errors(url: str) -> float:
+    """``ckptstore_maintenance_runs_total{outcome="error"}`` of a service, all tasks."""
+    lines = httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith("ckptstore_maintenance_runs_total{") and 'outcome="error"' in line
+    )
+
+
+def test_reroots_on_either_side_of_a_fork(
+    make_service: Callable[..., Service], states: list[dict[str, Any]]
+) -> None:
+    """A re-root of the source rewrites chunks the fork refers to (ids and bytes kept); one
+    of the fork would reverse chains into the source's blobs, so it is skipped. Nothing
+    fails, and every checkpoint stays exact."""
+    env = {**ENV, "CKPTSTORE_REROOT_DEPTH": "3", "CKPTSTORE_KEYFRAME_INTERVAL": "100"}
+    svc = make_service(env=env)
+    client = CheckpointClient(svc.url)
+    for step in range(3):
+        client.save("s", step, states[step])
+    client.fork("s", 2, "f")
+    for step in range(3, 7):
+        client.save("s", step, states[step])
+        client.save("f", step, states[step])
+    wait_idle(svc.url)
+    assert min(i.chain_depth for i in client.list("s")) > 0  # s was re-rooted
+    assert maintenance_errors(svc.url) == 0
+    check(client, "s", states, list(range(7)))
+    check(client, "f", states, list(range(2, 7)))
+    client.delete_run("s")
+    check(client, "f", states, list(range(2, 7)))
     check_store(svc, client)
 
 

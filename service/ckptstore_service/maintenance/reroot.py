@@ -236,6 +236,7 @@ def reroot(
     if (
         not paths
         or _in_parts(paths, infos)
+        or _in_other_runs(paths, infos)
         or _too_deep(catalog, paths, target, policy.max_chain_depth)
     ):
         return None
@@ -299,6 +300,17 @@ def _in_parts(paths: list[list[ChunkInfo]], infos: list[CheckpointRecord]) -> bo
         log.info(
             "not re-rooting %s: its chains pass through checkpoints written in parts", infos[-1].run
         )
+        return True
+    return False
+
+
+def _in_other_runs(paths: list[list[ChunkInfo]], infos: list[CheckpointRecord]) -> bool:
+    """Whether a chain to reverse runs into another run's chunks (a fork's chains rest on
+    its source's): a re-root rewrites its own run's blobs only, under its own run's locks.
+    Such chains are left as they are, until the fork's next keyframe cuts them."""
+    own = {i.id for i in infos}
+    if any(c.checkpoint_id not in own for path in paths for c in path):
+        log.info("not re-rooting %s: its chains rest on another run's (a fork)", infos[-1].run)
         return True
     return False
 
