@@ -7,6 +7,7 @@ PostgreSQL)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -248,17 +249,36 @@ def test_bad_forks_change_nothing(
 
 
 @pytest.mark.postgres
-def test_fork_on_postgres(
+def test_fork_on_postgres_saves_race_the_sources_deletes(
     make_service: Callable[..., Service], pg_url: str, states: list[dict[str, Any]]
 ) -> None:
+    """On PostgreSQL, the fine-tune saves to the fork while the source's checkpoints and
+    then the source run are deleted (each delete waits for the fork's run lock, and re-bases
+    what the saves committed meanwhile): every checkpoint of the fork loads exactly."""
     svc = make_service(env={**ENV, "CKPTSTORE_DATABASE_URL": pg_url})
     client = CheckpointClient(svc.url)
-    for step in range(3):
+    for step in range(4):
         client.save("pg", step, states[step])
-    client.fork("pg", 1, "pgf")
-    client.save("pgf", 2, states[2])
+    client.fork("pg", 3, "pgf")
     assert client.run_info("pgf").shared_bytes > 0
-    client.delete("pg", 1)
-    client.delete_run("pg")
-    check(client, "pgf", states, [1, 2])
+    errors: list[BaseException] = []
+
+    def fine_tune() -> None:
+        try:
+            with CheckpointClient(svc.url) as writer:
+                for step in range(4, 7):
+                    writer.save("pgf", step, states[step])
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=fine_tune)
+    thread.start()
+    try:
+        for step in (3, 2):
+            client.delete("pg", step)
+        client.delete_run("pg")
+    finally:
+        thread.join(120)
+    assert not errors, errors[0]
+    check(client, "pgf", states, [3, 4, 5, 6])
     assert client.run_info("pgf").shared_bytes == 0
