@@ -45,9 +45,17 @@ sequences locally, set ``CKPTSTORE_STATEFUL_EXAMPLES`` (more examples) and
 ``CKPTSTORE_STATEFUL_SEED`` (an integer: random exploration from that seed instead of the
 derandomized set; the seed is printed).
 
-TODO(issue 20, item 4): a ``fork`` rule (``CheckpointClient.fork``) once forks are on main:
-a forked run's first checkpoint equals its source, the source's deletes and ``delete_run``
-leave it intact, and the blob store stays exact with chunks shared between runs.
+Shrinking is off unless ``CKPTSTORE_STATEFUL_SHRINK=1``: every shrink attempt replays a
+sequence against a fresh service, so shrinking one failure took hypothesis' full five
+minutes (a deliberately broken retention pass, whose unshrunk failure was reported in
+seconds). Unshrunk, the report is the whole failing sequence, at most
+``stateful_step_count`` steps, which reruns as it is; shrink it locally with that setting.
+
+Forks (issue 20, item 4): a ``fork`` action forks any checkpoint (a fork's too) into an
+empty run; the model gives the fork the source's content and metadata, and its later saves
+states of the source's lineage (a fine-tune: deltas of the source's chunks). Deletes,
+``delete_run`` and retention of a source must leave its forks' bytes whole: after them
+every checkpoint of every run is loaded.
 """
 
 from __future__ import annotations
@@ -57,14 +65,14 @@ import shutil
 import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
-from hypothesis import HealthCheck, note, seed, settings
+from hypothesis import HealthCheck, Phase, note, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -76,7 +84,7 @@ from hypothesis.stateful import (
 from sqlalchemy import create_engine, text
 
 from ckptstore import CheckpointClient
-from ckptstore_core.errors import CheckpointPinned
+from ckptstore_core.errors import CheckpointExists, CheckpointPinned
 from ckptstore_core.retention import Candidate, KeepBest, RetentionPolicy, kept_steps
 from support.blobs import check_store
 from support.pg import pg_database
@@ -84,7 +92,7 @@ from support.s3server import s3_store
 from support.serviceproc import Service, wait_idle
 from support.states import assert_same_state
 
-RUNS = ("r0", "r1")
+RUNS = ("r0", "r1", "f")  # "f" starts empty: the first fork's target
 MAX_STEP = 12  # steps 0..12: out-of-order saves, repeats and reused steps are common
 ENV = {
     "CKPTSTORE_GARBAGE_GRACE_S": "0",
@@ -97,6 +105,7 @@ ENV = {
 EXAMPLES = os.environ.get("CKPTSTORE_STATEFUL_EXAMPLES")  # default: per backend, below
 STEPS = 20
 SEED = os.environ.get("CKPTSTORE_STATEFUL_SEED")
+SHRINK = os.environ.get("CKPTSTORE_STATEFUL_SHRINK") == "1"
 # What each step does; saves twice as often as the rest (chains must grow to be cut).
 ACTIONS = (
     "save",
@@ -107,8 +116,9 @@ ACTIONS = (
     "retention",
     "restart",
     "load",
+    "fork",
 )
-NEED_A_CHECKPOINT = {"delete", "delete_run", "pin_or_unpin", "load"}
+NEED_A_CHECKPOINT = {"delete", "delete_run", "pin_or_unpin", "load", "fork"}
 POLICIES = st.none() | st.builds(
     RetentionPolicy,
     keep_last=st.none() | st.integers(1, 4),
@@ -118,16 +128,29 @@ POLICIES = st.none() | st.builds(
 )
 
 
+@dataclass(frozen=True)
+class Content:
+    """What a checkpoint holds: the states of ``base``'s lineage (a run and its forks share
+    its base tensors), as ``variant`` (the run that saved it) moves them at ``step``."""
+
+    base: str
+    variant: str
+    step: int
+
+
 @lru_cache(maxsize=256)
-def state_of(run: str, step: int) -> dict[str, Any]:
-    """Checkpoint ``step`` of ``run``: a function of both, close to its neighbours."""
-    g = torch.Generator().manual_seed(RUNS.index(run))
+def state_of(content: Content) -> dict[str, Any]:
+    """A checkpoint's state: a function of ``content``, close to its neighbours' (the
+    previous step's, and a fork's source's)."""
+    g = torch.Generator().manual_seed(RUNS.index(content.base))
     base = torch.randn(1 << 16, generator=g)  # 256 KiB: 4 chunks
     drift = torch.randn(1 << 16, generator=g)
     frozen = torch.randn(1 << 15, generator=g)  # never changes: refs
+    step = content.step
     w = base + 1e-4 * step * drift
     band = (step * 5003) % (w.numel() - 2048)
-    w[band : band + 2048] = torch.randn(2048, generator=torch.Generator().manual_seed(step))
+    band_seed = step * len(RUNS) + RUNS.index(content.variant)
+    w[band : band + 2048] = torch.randn(2048, generator=torch.Generator().manual_seed(band_seed))
     return {
         "w": w,
         "w_bf16": w.to(torch.bfloat16),
@@ -145,24 +168,34 @@ def metadata_of(run: str, step: int) -> dict[str, Any] | None:
     return {"eval_loss": ((step * 7 + RUNS.index(run) * 3) % 5) / 4, "run": run}
 
 
+@dataclass(frozen=True)
+class Ckpt:
+    """A committed checkpoint in the model."""
+
+    metadata: dict[str, Any]
+    pinned: bool
+    content: Content
+
+
 @dataclass
 class Model:
-    """What the service should hold: per run, the committed steps with their metadata and
-    pin flag, and the run's own retention policy (None: keep everything)."""
+    """What the service should hold: per run, the committed checkpoints by step, the run's
+    own retention policy (None: keep everything), and its lineage: the base whose states
+    its saves hold (its own; its source's once it is a fork, until the run is deleted)."""
 
-    steps: dict[str, dict[int, tuple[dict[str, Any], bool]]] = field(
-        default_factory=lambda: {r: {} for r in RUNS}
-    )
+    steps: dict[str, dict[int, Ckpt]] = field(default_factory=lambda: {r: {} for r in RUNS})
     policy: dict[str, RetentionPolicy | None] = field(default_factory=lambda: dict.fromkeys(RUNS))
+    lineage: dict[str, str] = field(default_factory=lambda: {r: r for r in RUNS})
 
-    def apply_retention(self, run: str) -> set[int]:
-        """Drop what ``run``'s policy does not keep; returns the steps dropped."""
-        ckpts = self.steps[run]
-        candidates = [Candidate(s, pinned, meta) for s, (meta, pinned) in ckpts.items()]
-        gone = set(ckpts) - kept_steps(self.policy[run], candidates)
-        for step in gone:
-            del ckpts[step]
-        return gone
+    def apply_retention(self) -> None:
+        """Drop what each run's policy does not keep. Applying a policy again where no pass
+        ran changes nothing: only a save, a policy or an unpin (each followed by the run's
+        pass) can make a run hold a checkpoint its policy does not keep; a delete, of its
+        own or of a fork's source, only adds to what the rules keep."""
+        for run, ckpts in self.steps.items():
+            candidates = [Candidate(s, c.pinned, c.metadata) for s, c in ckpts.items()]
+            for step in set(ckpts) - kept_steps(self.policy[run], candidates):
+                del ckpts[step]
 
 
 class LifecycleMachine(RuleBasedStateMachine):
@@ -187,9 +220,9 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @initialize()
     def first_saves(self) -> None:
-        """Every example starts with a chain in each run (keyframes, a re-root), so the
-        actions have material from the first step."""
-        for run, steps in zip(RUNS, (range(6), range(3)), strict=True):
+        """Every example starts with a chain in r0 and r1 (keyframes, a re-root), so the
+        actions have material from the first step; f stays empty, for a fork."""
+        for run, steps in (("r0", range(6)), ("r1", range(3))):
             for step in steps:
                 self.save_step(run, step)
 
@@ -212,37 +245,38 @@ class LifecycleMachine(RuleBasedStateMachine):
         refuses."""
         run, step = self.draw_checkpoint(data)
         note(f"deleting {run}@{step}: {self.kind_of(run, step)}")
-        if self.model.steps[run][step][1]:
+        if self.model.steps[run][step].pinned:
             with pytest.raises(CheckpointPinned):
                 self.client.delete(run, step)
         else:
             self.client.delete(run, step)
             del self.model.steps[run][step]
-        self.settle(run)
-        self.load_all(run)
+        self.settle()
+        self.load_all()
 
     def delete_run(self, data: st.DataObject) -> None:
         """A whole run; refused (nothing deleted) while one of its checkpoints is pinned.
-        Its policy stays with the run."""
+        Its policy stays with the run; its forks keep every byte."""
         run, _ = self.draw_checkpoint(data)
-        if any(pinned for _, pinned in self.model.steps[run].values()):
+        if any(c.pinned for c in self.model.steps[run].values()):
             with pytest.raises(CheckpointPinned):
                 self.client.delete_run(run)
-            self.load_all(run)
         else:
             self.client.delete_run(run)
             self.model.steps[run].clear()
-        self.settle(run)
+            self.model.lineage[run] = run
+        self.settle()
+        self.load_all()
 
     def pin_or_unpin(self, data: st.DataObject) -> None:
         """Toggle a checkpoint's pin; unpinning schedules the run's retention pass."""
         run, step = self.draw_checkpoint(data)
-        meta, pinned = self.model.steps[run][step]
-        info = self.client.unpin(run, step) if pinned else self.client.pin(run, step)
-        assert info.pinned is not pinned
-        self.model.steps[run][step] = (meta, not pinned)
-        self.settle(run)
-        self.load_all(run)
+        ckpt = self.model.steps[run][step]
+        info = self.client.unpin(run, step) if ckpt.pinned else self.client.pin(run, step)
+        assert info.pinned is not ckpt.pinned
+        self.model.steps[run][step] = replace(ckpt, pinned=not ckpt.pinned)
+        self.settle()
+        self.load_all()
 
     def retention(self, data: st.DataObject) -> None:
         """Set a run's policy (applied at once, in the background), or clear it."""
@@ -256,8 +290,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             )
             assert stored == policy
         self.model.policy[run] = policy
-        self.settle(run)
-        self.load_all(run)
+        self.settle()
+        self.load_all()
 
     def restart(self, data: st.DataObject) -> None:
         """Stop (or SIGKILL) the service and start it again on the same data: every
@@ -267,24 +301,58 @@ class LifecycleMachine(RuleBasedStateMachine):
         else:
             self.svc.stop()
         self.svc.start()
-        for run in RUNS:
-            self.load_all(run)
+        self.load_all()
 
     def load(self, data: st.DataObject) -> None:
         """One checkpoint at random (the other actions load only what they touched)."""
         self.to_load.add(self.draw_checkpoint(data))
 
+    def fork(self, data: st.DataObject) -> None:
+        """Fork any checkpoint (a fork's included) into an empty run: it loads to the
+        source's bytes, with the source's metadata; later saves to it are close to the
+        source's states (a fine-tune). A target with checkpoints refuses (409), or is
+        deleted first (what the 409 says to do)."""
+        src_run, step = self.draw_checkpoint(data)
+        targets = [r for r in RUNS if r != src_run]
+        new_run = data.draw(st.sampled_from(targets), label="new_run")
+        source = self.model.steps[src_run][step]
+        held = self.model.steps[new_run]
+        unpinned = held and not any(c.pinned for c in held.values())
+        if unpinned and data.draw(st.booleans(), label="delete the target first"):
+            self.client.delete_run(new_run)  # what the 409 says to do
+            held.clear()
+        if len(held) >= 2:  # one could be this very fork: a retry
+            with pytest.raises(CheckpointExists):
+                self.client.fork(src_run, step, new_run)
+            return
+        if held:
+            return  # whether it is "this very fork" depends on chunk rows: not modelled
+        info = self.client.fork(src_run, step, new_run)
+        assert (info.run, info.step, info.stored_bytes) == (new_run, step, 0)
+        assert info.metadata == source.metadata and not info.pinned
+        self.model.steps[new_run][step] = Ckpt(source.metadata, False, source.content)
+        self.model.lineage[new_run] = source.content.base
+        self.settle()
+        self.to_load.add((new_run, step))
+
     # -- helpers ----------------------------------------------------------------------------
 
     def save_step(self, run: str, step: int) -> None:
-        """Save ``run@step`` (a repeat of a committed step is a retry: same content and
-        metadata, nothing changes); the run's retention pass then applies its policy."""
+        """Save ``run@step``. A repeat of a committed step is a retry (same content and
+        metadata: nothing changes) unless that step holds other content (a fork's first
+        checkpoint): 409. The run's retention pass then applies its policy."""
         meta = metadata_of(run, step)
-        info = self.client.save(run, step, state_of(run, step), metadata=meta)
+        content = Content(self.model.lineage[run], run, step)
+        old = self.model.steps[run].get(step)
+        if old is not None and (old.content, old.metadata) != (content, meta or {}):
+            with pytest.raises(CheckpointExists):
+                self.client.save(run, step, state_of(content), metadata=meta)
+            return
+        info = self.client.save(run, step, state_of(content), metadata=meta)
         assert info.step == step and info.metadata == (meta or {})
-        pinned = self.model.steps[run].get(step, (None, False))[1]
-        self.model.steps[run][step] = (meta or {}, pinned)
-        self.settle(run)
+        pinned = old is not None and old.pinned
+        self.model.steps[run][step] = Ckpt(meta or {}, pinned, content)
+        self.settle()
         if step in self.model.steps[run]:
             self.to_load.add((run, step))
 
@@ -295,9 +363,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         kinds = ["pinned"] if info.pinned else []
         kinds += ["newest"] if step == max(infos) else []
         kinds += ["keyframe"] if info.keyframe else []
-        kinds += (
-            ["before its root"] if info.parent_step is not None and info.parent_step > step else []
-        )
+        kinds += ["re-rooted"] if info.parent_step is None and not info.keyframe else []
+        kinds += ["a fork"] if info.stored_bytes == 0 else []
         return " ".join(kinds) or "delta"
 
     def runs_with_checkpoints(self) -> list[str]:
@@ -308,21 +375,23 @@ class LifecycleMachine(RuleBasedStateMachine):
         run = data.draw(st.sampled_from(self.runs_with_checkpoints()), label="run")
         return run, data.draw(st.sampled_from(sorted(self.model.steps[run])), label="step")
 
-    def settle(self, run: str) -> None:
-        """Wait for the service's background pass (retention, re-root, collection), and
-        apply the run's policy to the model as the service should have."""
+    def settle(self) -> None:
+        """Wait for the service's background passes (retention, re-root, collection), and
+        apply the runs' policies to the model as the service should have."""
         wait_idle(self.svc.url)
-        self.model.apply_retention(run)
+        self.model.apply_retention()
 
-    def load_all(self, run: str) -> None:
-        self.to_load |= {(run, step) for step in self.model.steps[run]}
+    def load_all(self) -> None:
+        """Load every checkpoint at the next check (a delete's re-base may reach into
+        other runs: its source's forks)."""
+        self.to_load |= {(run, step) for run in RUNS for step in self.model.steps[run]}
 
     # -- invariants -------------------------------------------------------------------------
 
     @invariant()
     def listings_match_the_model(self) -> None:
         for run in RUNS:
-            expected = self.model.steps[run]
+            expected = {s: (c.metadata, c.pinned) for s, c in self.model.steps[run].items()}
             if not expected:
                 assert run not in {r.name for r in self.client.runs()}
                 continue
@@ -332,13 +401,15 @@ class LifecycleMachine(RuleBasedStateMachine):
     @invariant()
     def loads_are_exact(self) -> None:
         for run, step in sorted(self.to_load):
-            if step in self.model.steps[run]:
+            ckpt = self.model.steps[run].get(step)
+            if ckpt is not None:
                 got = self.client.load(run, step)
-                assert_same_state(state_of(run, step), got, path=f"{run}@{step}")
-        for run in RUNS:
-            if self.model.steps[run] and any(r == run for r, _ in self.to_load):
-                newest = max(self.model.steps[run])
-                assert_same_state(state_of(run, newest), self.client.load(run), path="latest")
+                assert_same_state(state_of(ckpt.content), got, path=f"{run}@{step}")
+        for run in {r for r, _ in self.to_load}:
+            if self.model.steps[run]:
+                newest = self.model.steps[run][max(self.model.steps[run])]
+                got = self.client.load(run)
+                assert_same_state(state_of(newest.content), got, path=f"{run}@latest")
         self.to_load.clear()
 
     @invariant()
@@ -423,6 +494,7 @@ def run_machine(backend: Backend, examples: int) -> None:
         derandomize=SEED is None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         print_blob=True,
+        phases=list(Phase) if SHRINK else [Phase.explicit, Phase.reuse, Phase.generate],
     )
     if SEED is not None:
         print(f"CKPTSTORE_STATEFUL_SEED={SEED}")
