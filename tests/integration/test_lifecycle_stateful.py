@@ -502,10 +502,12 @@ def run_machine(backend: Backend, examples: int) -> None:
     run_state_machine_as_test(machine, settings=options)
 
 
+@pytest.mark.slow
 def test_lifecycle_state_machine_on_sqlite(tmp_path: Path) -> None:
     run_machine(sqlite_backend(tmp_path), examples=8)  # about 60 s here
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 @pytest.mark.s3
 def test_lifecycle_state_machine_on_postgres_and_s3(
