@@ -1,16 +1,16 @@
 """A stateful property-based test of the checkpoint lifecycle (issue 20): hypothesis drives
-random sequences of saves, deletes, run deletes, pins, retention policies and service
-restarts against a real service process, and checks it against a model of what it should
-hold.
+random sequences of saves, deletes, run deletes, pins, retention policies, forks and
+service restarts against a real service process, and checks it against a model of what it
+should hold.
 
-The model is, per run, the committed steps with their metadata and pin flag, and the run's
-own retention policy. After every step:
+The model is, per run, the committed steps with their metadata, pin flag and content, the
+run's own retention policy and its lineage (whose states its saves hold). After every step:
 
 * the listings (steps, pins, metadata, the runs) equal the model's;
-* the checkpoints the step touched load bit-exactly, and so does ``latest`` (every
-  checkpoint of the run after a delete, a pin change or a retention pass, every checkpoint
-  of every run after a restart; a ``load`` action picks others at random): checking all of
-  them after every step would cost most of the test's time for little more coverage;
+* the checkpoints the step touched load bit-exactly, and so does their run's ``latest``
+  (every checkpoint of every run after a delete, a run delete, a pin change, a retention
+  policy or a restart; a ``load`` action picks others at random): checking all of them
+  after every step would cost most of the test's time for little more coverage;
 * after the background pass (grace 0: it collects at once), the blob store holds exactly
   the blobs the catalog names: the local folder through ``support.blobs.check_store`` on
   SQLite, the bucket's keys on PostgreSQL + S3 (moto).
@@ -23,24 +23,24 @@ A run's policy outlives a ``delete_run`` (the run's row stays, docs/lifecycle.md
 
 The service runs with a small chunk size, keyframes every 3 checkpoints and re-roots at
 depth 2, so chains, keyframes and re-roots (and deletes in re-rooted chains) happen within
-a few saves. States are small (about 0.5 MB), a function of (run, step), and change slowly
-from step to step (a small drift everywhere and a moving band of new values): deltas,
-refs to a frozen tensor and bf16 copies all occur. Steps are drawn from a small range, so
-saves arrive out of order, land between existing checkpoints, repeat a committed step (an
-idempotent retry) and reuse deleted steps.
+a few saves. States are small (about 0.5 MB), a function of their ``Content`` (lineage,
+saving run, step), and change slowly from step to step (a small drift everywhere and a
+moving band of new values): deltas, refs to a frozen tensor and bf16 copies all occur.
+Steps are drawn from a small range, so saves arrive out of order, land between existing
+checkpoints, repeat a committed step (an idempotent retry) and reuse deleted steps.
 
 One rule, ``act``, draws the action of each step uniformly (saves twice as often) rather
 than one rule per action: hypothesis' stateful testing enables a random subset of rules
 per example ("swarm testing"), which over the few examples this test can afford left
 whole actions (retention, pins) out of every sequence, and spent examples on one action
-repeated. The sequences still shrink, and a failure's report names each step's action and
-its arguments (the labelled draws).
+repeated. A failure's report names each step's action and its arguments (the labelled
+draws).
 
 Reproducibility: ``derandomize=True`` and ``database=None``. Each example starts a real
 service, so the test can afford only a few (``max_examples`` below); exploring a fresh
 random handful on every CI run would make a failure appear on one run and not the next.
 Derandomized, the same sequences run every time: a failure reproduces by rerunning the
-test, and hypothesis prints the failing (shrunk) sequence of steps. To explore other
+test, and hypothesis prints the failing sequence of steps. To explore other
 sequences locally, set ``CKPTSTORE_STATEFUL_EXAMPLES`` (more examples) and
 ``CKPTSTORE_STATEFUL_SEED`` (an integer: random exploration from that seed instead of the
 derandomized set; the seed is printed).
