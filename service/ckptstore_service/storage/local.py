@@ -279,6 +279,17 @@ class LocalBlobStore(BlobStore):
         except OSError as exc:
             raise self._unavailable("delete", key, exc) from exc
 
+    def discard(self, key: str) -> None:
+        """``delete``, and a blob that is not there counts as discarded even when the disk
+        refuses the unlink: a read-only mount answers EROFS for a name it does not hold
+        (a failed save's blob that was never written), and the save's ``writing`` row may
+        then go."""
+        try:
+            self.delete(key)
+        except StorageUnavailable:
+            if self.exists(key):
+                raise
+
     def iter_keys(self, prefix: str = "") -> Iterator[str]:
         # Only walk the folder the prefix pins down; a prefix with '..' or '//' matches no key.
         head, _, _ = prefix.rpartition("/")
