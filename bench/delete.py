@@ -57,6 +57,35 @@ def _states(mb: int, steps: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def _wait_idle(url: str) -> None:
+    """Until the maintenance passes are done (the collection, grace 0)."""
+    for _ in range(600):
+        if httpx.get(f"{url}/healthz", timeout=30).json()["maintenance"] == 0:
+            return
+        time.sleep(0.05)
+
+
+def _serve(tmp: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    env = {
+        **os.environ,
+        "CKPTSTORE_DATA_DIR": tmp,
+        "CKPTSTORE_REROOT_DEPTH": "0",
+        "CKPTSTORE_GARBAGE_GRACE_S": "0",
+        "CKPTSTORE_REROOT_QUIET_S": "0",
+    }
+    cmd = [sys.executable, "-m", "ckptstore_service.cli", "serve", "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    return proc, url
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=64)
@@ -65,24 +94,8 @@ def main() -> None:
     args = parser.parse_args()
     states = _states(args.mb, args.steps)
     with tempfile.TemporaryDirectory() as tmp:
-        port = _free_port()
-        env = {
-            **os.environ,
-            "CKPTSTORE_DATA_DIR": tmp,
-            "CKPTSTORE_REROOT_DEPTH": "0",
-            "CKPTSTORE_GARBAGE_GRACE_S": "0",
-            "CKPTSTORE_REROOT_QUIET_S": "0",
-        }
-        cmd = [sys.executable, "-m", "ckptstore_service.cli", "serve", "--port", str(port)]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}"
+        proc, url = _serve(tmp)
         try:
-            for _ in range(300):
-                try:
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.1)
             client = CheckpointClient(url)
             for step, state in enumerate(states):
                 client.save("bench", step, state)
@@ -94,10 +107,7 @@ def main() -> None:
             took = time.perf_counter() - t0
             new = {k: n for k, n in _blobs(root).items() if k not in files}
             later = {i.step: i for i in client.list("bench")}
-            for _ in range(600):  # the run's maintenance pass collects (grace 0)
-                if httpx.get(f"{url}/healthz", timeout=30).json()["maintenance"] == 0:
-                    break
-                time.sleep(0.05)
+            _wait_idle(url)  # the run's maintenance pass collects (grace 0)
             after = _blobs(root)
             for step in (args.delete - 1, args.delete + 1):
                 got = client.load("bench", step)

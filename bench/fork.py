@@ -18,18 +18,14 @@ collection, and that every fine-tune checkpoint still loads bit-exactly.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 from ckptstore import CheckpointClient
-from delete import _blobs, _free_port, _states
+from delete import _blobs, _serve, _states, _wait_idle
 
 
 def _fine_tune(start: dict[str, torch.Tensor], steps: int) -> list[dict[str, torch.Tensor]]:
@@ -45,35 +41,6 @@ def _fine_tune(start: dict[str, torch.Tensor], steps: int) -> list[dict[str, tor
         v.mul_(0.999).add_(1e-3 * g[:n] ** 2)
         out.append({"w": w.clone(), "m": m.clone(), "v": v.clone(), "frozen": start["frozen"]})
     return out
-
-
-def _wait_idle(url: str) -> None:
-    """Until the maintenance passes are done (the collection, grace 0)."""
-    for _ in range(600):
-        if httpx.get(f"{url}/healthz", timeout=30).json()["maintenance"] == 0:
-            return
-        time.sleep(0.05)
-
-
-def _serve(tmp: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    env = {
-        **os.environ,
-        "CKPTSTORE_DATA_DIR": tmp,
-        "CKPTSTORE_REROOT_DEPTH": "0",
-        "CKPTSTORE_GARBAGE_GRACE_S": "0",
-        "CKPTSTORE_REROOT_QUIET_S": "0",
-    }
-    cmd = [sys.executable, "-m", "ckptstore_service.cli", "serve", "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.1)
-    return proc, url
 
 
 def main() -> None:

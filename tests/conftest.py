@@ -63,3 +63,17 @@ def s3_endpoint() -> Iterator[str]:
             yield url
         finally:
             stop()
+
+
+@pytest.fixture(scope="module")
+def own_moto() -> Iterator[tuple[str, int]]:
+    """A moto S3 server of the test module's own, ``(url, pid)``, for tests that freeze it
+    (``support.s3server.frozen``): freezing the session's would stall every other test."""
+    from support.s3server import fake_aws_credentials, start_moto_process
+
+    with fake_aws_credentials():
+        url, stop, pid = start_moto_process()
+        try:
+            yield url, pid
+        finally:
+            stop()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,7 +18,7 @@ import torch
 
 from ckptstore import CheckpointClient
 from ckptstore_core.errors import StorageUnavailable
-from support.s3server import fake_aws_credentials, frozen, start_moto_process
+from support.s3server import fake_aws_credentials, frozen
 from support.serviceproc import Service
 from support.states import assert_same_state
 from support.waiting import wait_until
@@ -35,13 +34,8 @@ READY_BOUND_S = READINESS_S + 2.0
 
 
 @pytest.fixture(scope="module")
-def moto() -> Iterator[tuple[str, int]]:
-    with fake_aws_credentials():
-        url, stop, pid = start_moto_process()
-        try:
-            yield url, pid
-        finally:
-            stop()
+def moto(own_moto: tuple[str, int]) -> tuple[str, int]:
+    return own_moto
 
 
 def _service(tmp_path: Path, endpoint: str) -> Service:

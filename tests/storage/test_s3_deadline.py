@@ -15,7 +15,7 @@ import pytest
 
 from ckptstore_core.errors import StorageUnavailable
 from ckptstore_service.storage.s3 import MIN_PART_SIZE, S3BlobStore
-from support.s3server import fake_aws_credentials, frozen, start_moto_process
+from support.s3server import fake_aws_credentials, frozen
 
 pytestmark = pytest.mark.s3
 
@@ -26,14 +26,8 @@ BOUND_S = DEADLINE_S + 3.0
 
 
 @pytest.fixture(scope="module")
-def moto() -> Iterator[tuple[str, int]]:
-    """A moto server of this module's own (freezing the session's would stall other tests)."""
-    with fake_aws_credentials():
-        url, stop, pid = start_moto_process()
-        try:
-            yield url, pid
-        finally:
-            stop()
+def moto(own_moto: tuple[str, int]) -> tuple[str, int]:
+    return own_moto
 
 
 @pytest.fixture
