@@ -141,6 +141,12 @@ class Settings(BaseSettings):
     )
     max_upload_bytes: int = Field(default=1 << 40, ge=1, description="Largest checkpoint accepted.")
     max_header_bytes: int = Field(default=100 * MiB, ge=1024)
+    max_tensors: int = Field(
+        default=200_000,
+        ge=1,
+        description="Most tensors one checkpoint (or one part) may declare; more is a 413. "
+        "Each costs catalog rows and bookkeeping, with bytes or without.",
+    )
     max_concurrent_uploads: int = Field(
         default=64, ge=1, description="Uploads processed at once; more wait their turn."
     )

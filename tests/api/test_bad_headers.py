@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -173,3 +174,25 @@ def test_stored_empty_tensors_of_large_dims_load_in_the_client(
     assert loaded["e"].numel() == 0 and loaded["e"].dtype == torch.float32
     with pytest.raises(RuntimeError, match="overflow"):
         torch.empty([2**32, 2**32, 0])
+
+
+def test_a_header_declaring_too_many_tensors_is_a_413(
+    make_service: Callable[..., Service],
+) -> None:
+    """Each declared tensor costs catalog rows, with bytes or without: one checkpoint or
+    part holds at most ``CKPTSTORE_MAX_TENSORS`` (the issue's 10^6 empty tensors took 2 GB)."""
+    svc = make_service({"CKPTSTORE_MAX_TENSORS": "1000"})
+
+    def body(n: int) -> bytes:
+        empty = {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}
+        return framed({f"t{i}": empty for i in range(n)})
+
+    with httpx.Client(base_url=svc.url, timeout=60) as http:
+        for path in ("/v1/runs/many/checkpoints/1", "/v1/runs/many/checkpoints/2/parts/rank-0"):
+            method = http.post if path.endswith("/1") else http.put
+            answer = method(path, content=body(1001))
+            assert answer.status_code == 413, answer.text
+            assert answer.json()["error"]["code"] == "payload_too_large"
+            assert "CKPTSTORE_MAX_TENSORS" in answer.json()["error"]["message"]
+        assert_nothing_stored(svc, "many")
+        assert http.post("/v1/runs/many/checkpoints/1", content=body(1000)).status_code == 201

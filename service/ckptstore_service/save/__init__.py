@@ -64,7 +64,7 @@ class Saver:
         idempotent retry); different content raises CheckpointExists.
         """
         s = self._settings
-        incoming = open_body(body, content_length, s.max_header_bytes, s.max_upload_bytes)
+        incoming = open_body(body, content_length, s)
         with self._catalog.run_lock(run):
             existing = self._catalog.find(run, step)
             if existing is not None:

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ckptstore_core.errors import CheckpointExists, InvalidStream
+from ckptstore_core.errors import CheckpointExists, InvalidStream, PayloadTooLarge
 from ckptstore_core.records import USER_METADATA_KEY, decode_user_metadata
 from ckptstore_core.wire import FORMAT, Header, StreamParser, TensorPiece
 from ckptstore_service.catalog import TensorInfo
+from ckptstore_service.settings import Settings
 
 __all__ = ["Incoming", "check_metadata", "open_body", "read_header", "same_content"]
 
@@ -33,14 +34,18 @@ class Incoming:
     pieces: Iterator[TensorPiece]
 
 
-def open_body(
-    body: Iterable[bytes], content_length: int | None, max_header_bytes: int, max_upload_bytes: int
-) -> Incoming:
-    """Parse ``body`` up to the end of its header and check it (InvalidStream,
-    PayloadTooLarge); the tensor pieces follow lazily."""
-    parser = StreamParser(max_header_bytes, max_upload_bytes)
+def open_body(body: Iterable[bytes], content_length: int | None, settings: Settings) -> Incoming:
+    """Parse ``body`` up to the end of its header and check it against ``settings``' limits
+    (InvalidStream, PayloadTooLarge); the tensor pieces follow lazily."""
+    parser = StreamParser(settings.max_header_bytes, settings.max_upload_bytes)
     it = iter(body)
     header, first = read_header(parser, it)
+    if len(header.tensors) > settings.max_tensors:
+        # each costs catalog rows and bookkeeping whether or not it has bytes
+        raise PayloadTooLarge(
+            f"the header declares {len(header.tensors)} tensors, more than the "
+            f"{settings.max_tensors} one checkpoint (or part) may hold (CKPTSTORE_MAX_TENSORS)"
+        )
     check_metadata(header)
     if content_length is not None and content_length != header.total_len:
         raise InvalidStream(

@@ -77,7 +77,7 @@ class PartSaver:
         step that is committed already or a part that is being uploaded right now."""
         check_part_name(name)
         s = self._settings
-        incoming = open_body(body, content_length, s.max_header_bytes, s.max_upload_bytes)
+        incoming = open_body(body, content_length, s)
         run_id = self._catalog.ensure_run(run)
         with self._catalog.run_lock(run):
             checkpoint_id = self._catalog.open_parts(run_id, step)
