@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -14,14 +13,6 @@ from sqlalchemy.engine.interfaces import CacheStats
 from ckptstore_core.errors import CheckpointExists, CheckpointNotFound, RunNotFound
 from ckptstore_service.catalog import Catalog, NewChunk, TensorInfo
 from ckptstore_service.catalog.models import Base
-
-
-@pytest.fixture
-def catalog(database_url: str) -> Iterator[Catalog]:
-    cat = Catalog(database_url)
-    cat.upgrade()
-    yield cat
-    cat.close()
 
 
 def commit(cat: Catalog, run: str, step: int, parent_id: int | None = None, **kw: object) -> int:

@@ -3,30 +3,11 @@ checkpoint was committed without it must not join the visible checkpoint."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from ckptstore_core.errors import CheckpointExists
-from ckptstore_service.catalog import Catalog, NewChunk, TensorInfo
-
-
-@pytest.fixture
-def catalog(database_url: str) -> Iterator[Catalog]:
-    cat = Catalog(database_url)
-    cat.upgrade()
-    yield cat
-    cat.close()
-
-
-def finish(catalog: Catalog, checkpoint_id: int, name: str) -> None:
-    part = catalog.find_part(checkpoint_id, name)
-    assert part is not None
-    tensor = TensorInfo(0, f"{name}.w", "U8", (4,), 0, 4, b"\0" * 16)
-    chunk = NewChunk(0, 0, 4, 1, "raw/1", None, 0, 0, 4, b"\0" * 16)
-    catalog.finish_part(
-        part, raw_bytes=4, stored_bytes=4, tensors=[tensor], chunks=[chunk], sibling_bases={}
-    )
+from ckptstore_service.catalog import Catalog
+from support.parts import finish_part_rows
 
 
 def test_a_part_finishing_after_the_commit_is_refused(catalog: Catalog) -> None:
@@ -34,13 +15,13 @@ def test_a_part_finishing_after_the_commit_is_refused(catalog: Catalog) -> None:
     checkpoint_id = catalog.open_parts(run_id, 1)
     catalog.begin_part(checkpoint_id, "a", "runs/r/1-a.blob")
     catalog.begin_part(checkpoint_id, "late", "runs/r/1-late.blob")
-    finish(catalog, checkpoint_id, "a")
+    finish_part_rows(catalog, checkpoint_id, "a")
     unnamed = catalog.commit_parts(
         "r", 1, ["a"], parent_id=None, keyframe=True, since_keyframe=0, metadata={}
     )
     assert unnamed == []  # "late" is still being written: its writer and the sweep own it
     with pytest.raises(CheckpointExists):
-        finish(catalog, checkpoint_id, "late")
+        finish_part_rows(catalog, checkpoint_id, "late")
     info = catalog.get("r", 1)
     assert [t.name for t in catalog.tensors(info.id)] == ["a.w"]
     assert info.tensors == 1 and info.parts == 1

@@ -9,26 +9,19 @@ Each race is made deterministic by running the other side right after the sweep'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ckptstore_core.errors import InvalidRequest
-from ckptstore_service.catalog import Catalog, NewChunk, TensorInfo
+from ckptstore_service.catalog import Catalog
 from ckptstore_service.maintenance.garbage import collect_parts
 from ckptstore_service.storage import LocalBlobStore
+from support.parts import finish_part_rows
 
 RUN, STEP = "r", 1
-
-
-@pytest.fixture
-def catalog(database_url: str) -> Iterator[Catalog]:
-    cat = Catalog(database_url)
-    cat.upgrade()
-    yield cat
-    cat.close()
 
 
 @pytest.fixture
@@ -44,16 +37,6 @@ def upload(catalog: Catalog, store: LocalBlobStore, name: str) -> tuple[int, str
     catalog.begin_part(checkpoint_id, name, key)
     store.put_stream(key, [b"\1\2\3\4"])
     return checkpoint_id, key
-
-
-def finish(catalog: Catalog, checkpoint_id: int, name: str) -> None:
-    part = catalog.find_part(checkpoint_id, name)
-    assert part is not None
-    tensor = TensorInfo(0, f"{name}.w", "U8", (4,), 0, 4, b"\0" * 16)
-    chunk = NewChunk(0, 0, 4, 1, "raw/1", None, 0, 0, 4, b"\0" * 16)
-    catalog.finish_part(
-        part, raw_bytes=4, stored_bytes=4, tensors=[tensor], chunks=[chunk], sibling_bases={}
-    )
 
 
 def commit(catalog: Catalog, names: list[str]) -> None:
@@ -80,7 +63,9 @@ def test_a_part_that_finishes_after_the_listing_is_kept(
 ) -> None:
     checkpoint_id, key = upload(catalog, store, "a")
     # the sweep lists "a" as writing; its upload finishes (and lets its lock go) meanwhile
-    after_listing(catalog, "parts_in_progress", lambda: finish(catalog, checkpoint_id, "a"))
+    after_listing(
+        catalog, "parts_in_progress", lambda: finish_part_rows(catalog, checkpoint_id, "a")
+    )
     assert collect_parts(catalog, store, ttl_s=3600) == []
     part = catalog.find_part(checkpoint_id, "a")
     assert part is not None and part.status == "done" and store.exists(key)
@@ -92,7 +77,7 @@ def test_a_checkpoint_committed_after_the_listing_keeps_its_parts(
     catalog: Catalog, store: LocalBlobStore
 ) -> None:
     checkpoint_id, key = upload(catalog, store, "a")
-    finish(catalog, checkpoint_id, "a")
+    finish_part_rows(catalog, checkpoint_id, "a")
     # the sweep lists the checkpoint as abandoned (a TTL of 0); its commit comes meanwhile
     after_listing(catalog, "abandoned_parts", lambda: commit(catalog, ["a"]))
     assert collect_parts(catalog, store, ttl_s=0) == []
@@ -108,7 +93,7 @@ def test_an_abandoned_part_no_commit_may_take_once_the_sweep_claimed_it(
     commit after that fails (its parts are gone) rather than making a checkpoint whose
     blobs are deleted."""
     checkpoint_id, key = upload(catalog, store, "a")
-    finish(catalog, checkpoint_id, "a")
+    finish_part_rows(catalog, checkpoint_id, "a")
     assert [p.name for p in collect_parts(catalog, store, ttl_s=0)] == ["a"]
     assert not store.exists(key) and catalog.find_part(checkpoint_id, "a") is None
     with pytest.raises(InvalidRequest, match="no part of r/1 was uploaded"):
@@ -121,7 +106,7 @@ def test_an_abandoned_checkpoint_is_left_while_its_run_is_locked(
     """A commit holds the run's lock from its look at the parts to its transaction's end:
     the sweep leaves the run's abandoned checkpoints to its next pass meanwhile."""
     checkpoint_id, key = upload(catalog, store, "a")
-    finish(catalog, checkpoint_id, "a")
+    finish_part_rows(catalog, checkpoint_id, "a")
     with catalog.run_lock(RUN):
         assert collect_parts(catalog, store, ttl_s=0) == []
     assert store.exists(key) and catalog.find_part(checkpoint_id, "a") is not None

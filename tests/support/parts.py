@@ -1,7 +1,8 @@
 """Checkpoints written in parts over raw HTTP, for the tests of a real service below the
 client: each rank's shards of two tensors (``shards``, changing a little from step to
 step), their DCP layout (``dcp_layout``), a part's body, its upload and the commit, and the
-tensors of a safetensors response (``tensors_of``)."""
+tensors of a safetensors response (``tensors_of``); and a part finished straight in a
+catalog (``finish_part_rows``)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import httpx
 import numpy as np
 
 from ckptstore_core.wire import FORMAT, encode_header
+from ckptstore_service.catalog import Catalog, NewChunk, TensorInfo
 
 __all__ = [
     "commit",
     "dcp_layout",
+    "finish_part_rows",
     "part_body",
     "put_part",
     "save_in_parts",
@@ -123,3 +126,15 @@ def save_in_parts(url: str, run: str, step: int, ranks: int = 2) -> list[dict[st
         )
     assert [a.status_code for a in answers] == [201] * ranks, [a.text for a in answers]
     return bodies
+
+
+def finish_part_rows(catalog: Catalog, checkpoint_id: int, name: str) -> None:
+    """Finish part ``name`` of the parts checkpoint ``checkpoint_id`` in ``catalog``, as an
+    upload does once its blob is durable: one 4-byte tensor ``{name}.w`` in one raw chunk."""
+    part = catalog.find_part(checkpoint_id, name)
+    assert part is not None
+    tensor = TensorInfo(0, f"{name}.w", "U8", (4,), 0, 4, b"\0" * 16)
+    chunk = NewChunk(0, 0, 4, 1, "raw/1", None, 0, 0, 4, b"\0" * 16)
+    catalog.finish_part(
+        part, raw_bytes=4, stored_bytes=4, tensors=[tensor], chunks=[chunk], sibling_bases={}
+    )
