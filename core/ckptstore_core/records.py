@@ -132,6 +132,10 @@ class CheckpointInfo(_Record):
     parts: int = 1  # how many writers (ranks) it was written by, committed once
     metadata: dict[str, Any] = field(default_factory=dict)  # the user's, given to the save
     pinned: bool = False  # never deleted (by retention or by hand) until unpinned
+    #: None: bit-exact. Else the lossy parameters (``ckptstore_core.lossy.Lossy.to_json()``)
+    #: its paired fp32 weights and Adam moments were stored with (docs/lossy.md): it loads
+    #: to the same bytes every time, not to the bytes saved
+    lossy: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,6 +88,9 @@ class Checkpoint(Base):
     n_parts: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     # never deleted while set: not by retention, not by hand (unpin first)
     pinned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # NULL: bit-exact; else the JSON of the lossy parameters its paired tensors were stored
+    # with (ckptstore_core.lossy.Lossy.to_json(), docs/lossy.md)
+    lossy_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
     committed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
@@ -129,6 +132,10 @@ class TensorRow(Base):
     begin: Mapped[int] = mapped_column(BigInteger)  # offset in the data section
     nbytes: Mapped[int] = mapped_column(BigInteger)
     checksum: Mapped[bytes] = mapped_column(LargeBinary(16))  # xxh3-128 of the whole tensor
+    # xxh3-128 of the tensor as it was sent, where that is not what it loads to (a lossy
+    # tensor: ``checksum`` is its reconstruction's); NULL: ``checksum``. What an idempotent
+    # retry of the save is compared with.
+    sent_checksum: Mapped[bytes | None] = mapped_column(LargeBinary(16), nullable=True)
 
 
 class Chunk(Base):
