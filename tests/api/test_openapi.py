@@ -190,3 +190,26 @@ def test_an_error_is_the_documented_body(tmp_path: Path) -> None:
     assert response.json() == {
         "error": {"code": "not_found", "message": "no such resource: /v1/nowhere"}
     }
+
+
+def test_security_is_what_auth_enforces(spec: dict[str, Any]) -> None:
+    from ckptstore_service.api.auth import ROUTE_ACCESS, SECURITY_SCHEME
+
+    scheme = spec["components"]["securitySchemes"][SECURITY_SCHEME]
+    assert scheme["type"] == "http" and scheme["scheme"] == "bearer"
+    documented = 0
+    for (method, path), access in ROUTE_ACCESS.items():
+        op = spec["paths"].get(path.replace(":path", ""), {}).get(method.lower())
+        if op is None:  # the dashboard's pages and the docs are not in the document
+            continue
+        if access.scope is None:
+            assert "security" not in op, (method, path)
+            continue
+        documented += 1
+        assert op["security"] == [{SECURITY_SCHEME: []}], (method, path)
+        assert op["x-ckptstore-scope"] == access.scope, (method, path)
+        assert op["x-ckptstore-run-pattern"] == access.run, (method, path)
+    assert documented >= 15
+    save = spec["paths"][CHECKPOINT]["post"]
+    assert save["x-ckptstore-scope"] == "write" and save["x-ckptstore-run-pattern"] is True
+    assert spec["paths"]["/v1/tokens"]["get"]["x-ckptstore-scope"] == "admin"

@@ -21,6 +21,7 @@ token's pattern covers: they read :func:`principal_of`.
 from __future__ import annotations
 
 import html
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -446,12 +447,52 @@ def install(app: FastAPI, required: bool, open_principal: Principal) -> None:
     """Add the sign-in pages, the token routes and :class:`AuthMiddleware` to ``app``."""
     app.include_router(router)
     app.include_router(tokens_router)
+    _document_security(app)
     app.add_middleware(
         AuthMiddleware,
         routes=_lazy_routes(app),
         required=required,
         open_principal=open_principal,
     )
+
+
+#: the OpenAPI security scheme every route that needs a scope names
+SECURITY_SCHEME = "bearerToken"
+_CONVERTER = re.compile(r"\{(\w+):\w+\}")
+
+
+def _document_security(app: FastAPI) -> None:
+    """Make ``/openapi.json`` say what :data:`ROUTE_ACCESS` enforces: a bearer token scheme,
+    and on each operation that needs a scope, ``security`` with it and the scope needed
+    (``x-ckptstore-scope``; ``x-ckptstore-run-pattern``: the token's run pattern must cover
+    the ``{run}``)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+        schemes[SECURITY_SCHEME] = {
+            "type": "http",
+            "scheme": "bearer",
+            "description": (
+                "A token made with `ckptstore-service token create` or `POST /v1/tokens`, "
+                "sent as `Authorization: Bearer <token>`. Required unless the service runs "
+                "open (CKPTSTORE_AUTH=off, or auto on a loopback address: docs/security.md)."
+            ),
+        }
+        for (method, path), access in ROUTE_ACCESS.items():
+            op = schema.get("paths", {}).get(_CONVERTER.sub(r"{\1}", path), {})
+            op = op.get(method.lower())
+            if op is None or access.scope is None:
+                continue
+            op["security"] = [{SECURITY_SCHEME: []}]
+            op["x-ckptstore-scope"] = access.scope
+            op["x-ckptstore-run-pattern"] = access.run
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _lazy_routes(app: FastAPI) -> Callable[[], Sequence[BaseRoute]]:
