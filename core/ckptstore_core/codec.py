@@ -42,6 +42,10 @@ little-endian:
   0 is raw, 1 one zstd frame, 2 (``planes/2`` only) sparse: ``u32 nonzero, u32 gap bytes``
   then one zstd frame of the gap bytes and the nonzero values (no frame if there are none).
 
+A chain may also hold ``lossy/1`` links (:mod:`ckptstore_core.lossy`, opt-in, fp32 only):
+decoded by :func:`ckptstore_core.lossy.decode` against the chain's result so far, their
+checksum is the one of the reconstruction; :func:`encode_chunk` never produces them.
+
 Every chunk carries the xxh3-128 of its raw bytes; :func:`decode_chunk` verifies it and raises
 :class:`~ckptstore_core.errors.CorruptData` on a mismatch. numpy + zstandard, no torch.
 zstandard contexts are not thread-safe, so each thread gets its own. The residual and plane
@@ -60,7 +64,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from ckptstore_core import planes
+from ckptstore_core import lossy, planes
 from ckptstore_core.errors import CorruptData
 
 __all__ = [
@@ -140,7 +144,7 @@ class EncodedChunk:
 def is_delta(codec: str) -> bool:
     """Whether a chunk stored with ``codec`` is decoded from its base (``ref`` is not)."""
     head = codec.split("/")[0]
-    return head in _MODES[1:] or head == _SCALE
+    return head in _MODES[1:] or head == _SCALE or codec == lossy.LOSSY
 
 
 def checksum(data: Buffer) -> bytes:
@@ -549,23 +553,34 @@ def decode_chain(
     uint = planes.UINT[itemsize]
     codec, payload = links[0]
     # every link is parsed and checked before anything is decoded
-    parsed: list[_Link] = []
+    parsed: list[_Link | Buffer] = []  # a lossy link is its payload, decoded in turn
     if codec == RAW:
         if len(payload) != raw_len:
             raise CorruptData(f"raw chunk of {len(payload)} bytes, expected {raw_len}")
         values = np.frombuffer(bytearray(payload), dtype=uint)
     else:
-        parsed.append(_parse_link(codec, payload, itemsize, raw_len))
-        if parsed[0].mode != planes.MODES["none"]:
+        first = _parse_link(codec, payload, itemsize, raw_len)
+        parsed.append(first)
+        if first.mode != planes.MODES["none"]:
             raise CorruptData(f"a chain cannot start with a {codec} chunk")
         values = np.empty(raw_len // itemsize, dtype=uint)
     for codec, payload in links[1:]:
+        if codec == lossy.LOSSY:
+            # decoded against the result so far (the parent's reconstruction); only fp32
+            if itemsize != 4:
+                raise CorruptData(f"a {codec} chunk of {itemsize}-byte items")
+            parsed.append(payload)
+            continue
         link = _parse_link(codec, payload, itemsize, raw_len)
         if link.mode == planes.MODES["none"] or not is_delta(codec):
             raise CorruptData(f"{codec} chunk in the middle of a chain")
         parsed.append(link)
     # link by link: one link's planes in memory at a time
-    for link in parsed:
+    for item in parsed:
+        if not isinstance(item, _Link):
+            values = lossy.decode(item, values.view(np.float32), len(values)).view(uint)
+            continue
+        link = item
         table = link.table
         size = link.size // len(table)
         framed = [p for p in table if p.kind != _PLANE_RAW and p.size]

@@ -1,0 +1,647 @@
+"""Lossy archival encoding of fp32 weights and their Adam moments (issue 23, after ExCP).
+
+Opt-in and never silent: a chunk stored this way is a chain link with codec :data:`LOSSY`,
+decoded against its base (the parent checkpoint's chunk *as it loads*, i.e. its
+reconstruction) by :func:`decode`, and checksummed like any chunk: the checksum is the one of
+the reconstruction. Decoding is bit-exact and machine-independent: it only gathers codebook
+values and applies IEEE-754 float32 ``+``, ``*``, ``sqrt`` and ``max``, each correctly
+rounded, one operation at a time (no fused multiply-add, no transcendental functions), so
+every load on any machine gives the same bytes. :func:`encode` returns the reconstruction it
+computed with the very same routine.
+
+What is stored, per chunk (``role``):
+
+* ``weight`` -- the residual ``raw - base`` against the parent's reconstruction (errors do
+  not pile up: what one checkpoint drops, the next one's residual still holds). Its elements
+  are ranked by importance ``|r| / sqrt(v_prev + eps)`` (``v_prev``: the parent's
+  reconstructed ``exp_avg_sq``; ``|r|`` without one) and the lowest ``weight_prune`` share of
+  the nonzero residuals is dropped: those elements load as their base, bit for bit. The rest
+  is quantized to a ``2**bits``-entry fp32 codebook (1-D k-means, fixed iterations).
+* ``exp_avg`` -- the values themselves (the first moment forgets its past within tens of
+  steps, a residual gains nothing), ranked by ``|m| / sqrt(v_prev + eps)`` (the Adam step
+  they would cause); the lowest ``moment_prune`` share is set to 0, the rest quantized.
+* ``exp_avg_sq`` -- the residual in the square-root domain, ``sqrt(v) - sqrt(base)``,
+  ranked by ``|du| / (sqrt(base) + eps)`` (relative change); the lowest ``moment_prune``
+  share loads as its base (never 0: Adam divides by its square root), the rest quantized
+  and squared back, never below 0.
+
+With ``exact_moments`` the moments are not encoded here (``encode`` returns None: the caller
+stores them losslessly). Chunks under :data:`MIN_ELEMENTS`, chunks holding a NaN or an
+infinity, and chunks that need a base and have none stay lossless too.
+
+Payload (``lossy/1``), little-endian: ``u8 version (1), u8 kind, u8 bits, u8 flags,
+u32 n, u32 kept, u16 codebook size`` then the fp32 codebook, then ``u32 length`` + a zstd
+frame of the keep mask (``np.packbits``, little bit order; absent when every element is kept
+or none is) and ``u32 length`` + a zstd frame of the kept elements' codebook indices (u8
+each). Kinds: 1 ``add`` (``out = base``; kept: ``base + cb[i]``), 2 ``set`` (``out = 0``;
+kept: ``cb[i]``; no base needed), 3 ``sqrt-add`` (``out = base``; kept:
+``max(sqrt(base) + cb[i], 0) ** 2``).
+
+numpy + zstandard only (the service imports this; it never imports torch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import zstandard
+
+from ckptstore_core.errors import CorruptData, InvalidRequest
+
+__all__ = [
+    "LOSSY",
+    "MIN_ELEMENTS",
+    "Lossy",
+    "Pair",
+    "Role",
+    "decode",
+    "encode",
+    "pair_tensors",
+]
+
+#: Codec spec of a lossy chain link.
+LOSSY = "lossy/1"
+#: Chunks with fewer elements stay lossless: biases and norms cost little and matter much.
+MIN_ELEMENTS = 4096
+
+Role = Literal["weight", "exp_avg", "exp_avg_sq"]
+Buffer = bytes | bytearray | memoryview
+
+_VERSION = 1
+_ADD, _SET, _SQRT_ADD = 1, 2, 3
+_HEAD = struct.Struct("<BBBBIIH")
+_LEN = struct.Struct("<I")
+_LEVEL = 10  # zstd level of the mask and index frames (small: a few hundred KiB per chunk)
+_EPS = np.float32(1e-8)  # Adam's eps scale: the floor of v in the importance
+_SQRT_EPS = np.float32(1e-6)
+_KMEANS_ITERS = 12
+
+_local = threading.local()
+
+
+def _cctx() -> zstandard.ZstdCompressor:
+    ctx: zstandard.ZstdCompressor | None = _local.__dict__.get("c")
+    if ctx is None:
+        ctx = _local.c = zstandard.ZstdCompressor(level=_LEVEL)
+    return ctx
+
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    ctx: zstandard.ZstdDecompressor | None = _local.__dict__.get("d")
+    if ctx is None:
+        ctx = _local.d = zstandard.ZstdDecompressor()
+    return ctx
+
+
+# -- parameters ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Lossy:
+    """Parameters of a lossy save (JSON: :meth:`to_json` / :meth:`from_json`).
+
+    ``weight_prune``: the share (0 <= x < 1) of each chunk's nonzero weight residuals dropped
+    (lowest importance first); ``moment_prune``: the same for ``exp_avg`` (set to 0) and
+    ``exp_avg_sq`` (kept at the base); ``bits``: codebook index bits (1-8; ``2**bits``
+    fp32 entries per chunk); ``exact_moments``: the moments stay lossless (only weights are
+    lossy).
+    """
+
+    weight_prune: float = 0.9
+    moment_prune: float = 0.9
+    bits: int = 4
+    exact_moments: bool = False
+
+    def __post_init__(self) -> None:
+        for field in ("weight_prune", "moment_prune"):
+            value = getattr(self, field)
+            if type(value) not in (int, float) or not 0.0 <= value < 1.0:
+                raise InvalidRequest(f"lossy {field} must be a number in [0, 1), got {value!r}")
+            object.__setattr__(self, field, float(value))
+        if type(self.bits) is not int or not 1 <= self.bits <= 8:
+            raise InvalidRequest(f"lossy bits must be an integer in 1..8, got {self.bits!r}")
+        if type(self.exact_moments) is not bool:
+            raise InvalidRequest(
+                f"lossy exact_moments must be true or false, got {self.exact_moments!r}"
+            )
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "weight_prune": self.weight_prune,
+            "moment_prune": self.moment_prune,
+            "bits": self.bits,
+            "exact_moments": self.exact_moments,
+        }
+
+    @classmethod
+    def from_json(cls, obj: object) -> Lossy:
+        """``True`` -> the defaults; an object with any of the fields (the others default);
+        a JSON text of either. Anything else: :class:`InvalidRequest`."""
+        if isinstance(obj, str | bytes):
+            try:
+                obj = json.loads(obj)
+            except ValueError as exc:
+                raise InvalidRequest(f"lossy parameters are not JSON: {exc}") from None
+        if obj is True:
+            return cls()
+        if isinstance(obj, Lossy):
+            return obj
+        if not isinstance(obj, Mapping):
+            raise InvalidRequest(f"lossy must be true or an object of parameters, got {obj!r}")
+        known = {"weight_prune", "moment_prune", "bits", "exact_moments"}
+        unknown = sorted(str(k) for k in obj if k not in known)
+        if unknown:
+            raise InvalidRequest(f"unknown lossy parameter(s) {unknown}; known: {sorted(known)}")
+        return cls(**{str(k): v for k, v in obj.items()})
+
+
+# -- chunks ----------------------------------------------------------------------------
+
+
+def encode(
+    role: Role,
+    raw: np.ndarray,
+    base: np.ndarray | None,
+    v_prev: np.ndarray | None,
+    params: Lossy,
+) -> tuple[bytes, np.ndarray] | None:
+    """One chunk (float32 1-D arrays, same length). ``raw``: this checkpoint's exact values.
+    ``base``: the same chunk (same tensor, same elements) of the parent checkpoint as it
+    loads (its reconstruction). ``v_prev``: the parent's reconstructed ``exp_avg_sq`` of the
+    paired parameter over the same elements (importance), None when unknown.
+
+    Returns ``(payload, reconstruction)`` or None: store this chunk losslessly (exact
+    moments, a chunk too small, non-finite values, or no base where one is needed).
+    ``decode(payload, base, len(raw))`` gives exactly ``reconstruction``, bit for bit.
+    """
+    raw = _f32(raw, "raw")
+    n = len(raw)
+    if base is not None:
+        base = _f32(base, "base")
+        if len(base) != n:
+            raise ValueError("base chunk length differs from the chunk")
+    if v_prev is not None:
+        v_prev = _f32(v_prev, "v_prev")
+        if len(v_prev) != n or not np.isfinite(v_prev).all():
+            v_prev = None
+    if role not in ("weight", "exp_avg", "exp_avg_sq"):
+        raise ValueError(f"unknown role {role!r}")
+    if role != "weight" and params.exact_moments:
+        return None
+    if n < MIN_ELEMENTS or base is None or not np.isfinite(raw).all():
+        return None
+    if not np.isfinite(base).all():
+        return None
+    if role == "weight":
+        kind, values = _ADD, raw - base
+        if not np.isfinite(values).all():
+            return None
+        imp = np.abs(values)
+        if v_prev is not None:
+            imp = imp / np.sqrt(np.maximum(v_prev, np.float32(0)) + _EPS)
+        prune = params.weight_prune
+    elif role == "exp_avg":
+        kind, values = _SET, raw
+        imp = np.abs(values)
+        if v_prev is not None:
+            imp = imp / np.sqrt(np.maximum(v_prev, np.float32(0)) + _EPS)
+        prune = params.moment_prune
+    else:
+        if (raw < 0).any() or (base < 0).any():
+            return None  # not a second moment
+        root = np.sqrt(base)
+        kind, values = _SQRT_ADD, np.sqrt(raw) - root
+        imp = np.abs(values) / (root + _SQRT_EPS)
+        prune = params.moment_prune
+    mask = _keep(imp, prune)
+    kept = values[mask]
+    codebook, idx = _quantize(kept, params.bits)
+    payload = _pack(kind, params.bits, n, mask, codebook, idx)
+    out = _apply(kind, base, mask, codebook[idx], n)
+    return payload, out
+
+
+def decode(payload: Buffer, base: Buffer | np.ndarray | None, n: int) -> np.ndarray:
+    """The chunk a :func:`encode` payload stands for: float32, ``n`` elements, a new array.
+    :class:`CorruptData` for a payload that does not parse or does not fit ``n``/``base``."""
+    kind, mask, values = _unpack(payload, n)
+    b: np.ndarray | None = None
+    if base is not None:
+        b = np.frombuffer(base, np.float32) if not isinstance(base, np.ndarray) else base
+        if b.dtype != np.float32 or b.ndim != 1 or len(b) != n:
+            raise CorruptData(f"lossy chunk of {n} elements on a base of another size")
+    if b is None and kind != _SET:
+        raise CorruptData("lossy chunk without its base")
+    return _apply(kind, b, mask, values, n)
+
+
+def _f32(a: np.ndarray, what: str) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype != np.float32 or a.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D float32 array")
+    return a
+
+
+def _keep(imp: np.ndarray, prune: float) -> np.ndarray:
+    """The elements to keep: the ``1 - prune`` share of the nonzero importances, largest
+    first (a tie at the threshold keeps all its elements)."""
+    nonzero = imp > 0
+    count = int(np.count_nonzero(nonzero))
+    k = math.ceil((1.0 - prune) * count)
+    if k <= 0:
+        return np.zeros(len(imp), bool)
+    if k >= count:
+        return nonzero
+    threshold = np.partition(imp[nonzero], count - k)[count - k]
+    keep: np.ndarray = imp >= threshold
+    return keep
+
+
+def _quantize(values: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """A float32 codebook of at most ``2**bits`` entries (1-D k-means: quantile start,
+    fixed iterations, float64 means) and each value's nearest entry (u8 indices)."""
+    k = 1 << bits
+    if not len(values):
+        return np.zeros(0, np.float32), np.zeros(0, np.uint8)
+    xs = np.sort(values.astype(np.float64))
+    n = len(xs)
+    distinct = np.unique(xs)
+    if len(distinct) <= k:
+        centres = distinct
+    else:
+        centres = np.unique(xs[((np.arange(k) + 0.5) * n / k).astype(np.int64)])
+        csum = np.concatenate([[0.0], np.cumsum(xs)])
+        for _ in range(_KMEANS_ITERS):
+            cuts = np.concatenate([[0], np.searchsorted(xs, (centres[1:] + centres[:-1]) / 2), [n]])
+            counts = np.diff(cuts)
+            sums = csum[cuts[1:]] - csum[cuts[:-1]]
+            filled = counts > 0
+            centres = np.unique(sums[filled] / counts[filled])
+    codebook = np.unique(centres.astype(np.float32))
+    mids = (codebook[1:].astype(np.float64) + codebook[:-1]) / 2
+    idx = np.searchsorted(mids, values.astype(np.float64)).astype(np.uint8)
+    return codebook, idx
+
+
+def _apply(
+    kind: int, base: np.ndarray | None, mask: np.ndarray | None, values: np.ndarray, n: int
+) -> np.ndarray:
+    """The reconstruction: the one routine both encode and decode use. ``mask`` None means
+    every element is kept."""
+    if kind == _SET:
+        out = np.zeros(n, np.float32)
+        if mask is None:
+            out[:] = values
+        else:
+            out[mask] = values
+        return out
+    assert base is not None
+    out = base.astype(np.float32, copy=True)
+    b = out if mask is None else out[mask]
+    if kind == _ADD:
+        new = b + values
+    else:
+        new = np.sqrt(b) + values
+        new = np.maximum(new, np.float32(0))
+        new = new * new
+    if mask is None:
+        out[:] = new
+    else:
+        out[mask] = new
+    return out
+
+
+def _pack(
+    kind: int, bits: int, n: int, mask: np.ndarray, codebook: np.ndarray, idx: np.ndarray
+) -> bytes:
+    kept = len(idx)
+    parts = [_HEAD.pack(_VERSION, kind, bits, 0, n, kept, len(codebook))]
+    parts.append(codebook.astype("<f4").tobytes())
+    cctx = _cctx()
+    mask_frame = (
+        b"" if kept in (0, n) else cctx.compress(np.packbits(mask, bitorder="little").tobytes())
+    )
+    idx_frame = cctx.compress(idx.tobytes()) if kept else b""
+    parts += [_LEN.pack(len(mask_frame)), mask_frame, _LEN.pack(len(idx_frame)), idx_frame]
+    return b"".join(parts)
+
+
+def _frame(body: memoryview, pos: int, size: int, what: str) -> tuple[bytes, int]:
+    if pos + _LEN.size > len(body):
+        raise CorruptData(f"lossy chunk: truncated {what} length")
+    (length,) = _LEN.unpack_from(body, pos)
+    pos += _LEN.size
+    frame = body[pos : pos + length]
+    if len(frame) != length:
+        raise CorruptData(f"lossy chunk: truncated {what}")
+    if not length:
+        return b"", pos
+    try:
+        if zstandard.frame_content_size(frame) != size:
+            raise CorruptData(f"lossy chunk: the {what} does not hold {size} bytes")
+        data = _dctx().decompress(frame, allow_extra_data=False)
+    except (zstandard.ZstdError, ValueError) as exc:
+        raise CorruptData(f"lossy chunk: the {what} does not decode: {exc}") from exc
+    if len(data) != size:
+        raise CorruptData(f"lossy chunk: the {what} does not hold {size} bytes")
+    return data, pos + length
+
+
+def _unpack(payload: Buffer, n: int) -> tuple[int, np.ndarray | None, np.ndarray]:
+    """(kind, keep mask or None for all, the kept elements' values), every field checked."""
+    body = memoryview(payload).cast("B")
+    if len(body) < _HEAD.size:
+        raise CorruptData("lossy chunk: truncated header")
+    version, kind, bits, flags, count, kept, size = _HEAD.unpack_from(body)
+    if version != _VERSION or kind not in (_ADD, _SET, _SQRT_ADD) or flags:
+        raise CorruptData(f"lossy chunk: unknown version/kind/flags {version}/{kind}/{flags}")
+    if count != n or kept > n or not 1 <= bits <= 8 or size > (1 << bits):
+        raise CorruptData(f"lossy chunk header ({count}, {kept}, {bits}, {size}) for {n} elements")
+    if (kept > 0) != (size > 0):
+        raise CorruptData("lossy chunk: kept elements without a codebook or vice versa")
+    pos = _HEAD.size
+    cb = np.frombuffer(body[pos : pos + 4 * size], "<f4")
+    if len(cb) != size:
+        raise CorruptData("lossy chunk: truncated codebook")
+    if not np.isfinite(cb).all():
+        raise CorruptData("lossy chunk: non-finite codebook entry")
+    pos += 4 * size
+    mask_data, pos = _frame(body, pos, (n + 7) // 8 if 0 < kept < n else 0, "keep mask")
+    idx_data, pos = _frame(body, pos, kept, "index stream")
+    if pos != len(body):
+        raise CorruptData(f"lossy chunk: {len(body) - pos} bytes after the index stream")
+    if 0 < kept < n:
+        if not mask_data:
+            raise CorruptData("lossy chunk: missing keep mask")
+        bits_ = np.unpackbits(np.frombuffer(mask_data, np.uint8), count=n, bitorder="little")
+        mask: np.ndarray | None = bits_.view(bool)
+        if int(np.count_nonzero(bits_)) != kept:
+            raise CorruptData("lossy chunk: the keep mask does not hold its count")
+    else:
+        mask = None if kept == n else np.zeros(n, bool)
+    if kept and not idx_data:
+        raise CorruptData("lossy chunk: missing index stream")
+    idx = np.frombuffer(idx_data, np.uint8)
+    if len(idx) and int(idx.max()) >= size:
+        raise CorruptData("lossy chunk: index past the codebook")
+    values = cb.astype(np.float32)[idx] if len(idx) else np.zeros(0, np.float32)
+    return kind, mask, values
+
+
+# -- pairing ---------------------------------------------------------------------------
+
+#: Buffers that sit among a module's fp32 parameters in ``model.state_dict()`` and are
+#: not parameters (BatchNorm's running statistics): never weights, never lossy.
+_BUFFER_NAMES = ("running_mean", "running_var")
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A weight and its Adam moments (tensor names); moments None: weights-only pruning."""
+
+    weight: str
+    exp_avg: str | None
+    exp_avg_sq: str | None
+
+
+@dataclass
+class _Leaf:
+    name: str  # the tensor's name
+    key: object  # its key in the mapping that holds it (None in a list)
+    parent: int  # id of the mapping holding it (its index in the walk)
+    inside: tuple[int, ...]  # the mappings on its path (walk indices)
+
+
+@dataclass
+class _Optimizer:
+    index: int  # walk index of the optimizer's mapping
+    params: list[object]  # param_groups' "params", in order (ints or FQNs)
+    state: dict[object, dict[str, str]]  # key -> {"exp_avg": name, "exp_avg_sq": name, ...}
+
+
+def _items(node: object) -> list[tuple[object, object]] | None:
+    """A tagged mapping's (key, value) pairs (keys decoded where plain), else None."""
+    if isinstance(node, dict) and node.get("t") in ("dict", "odict", "counter"):
+        items = node.get("v")
+        if isinstance(items, list):
+            return [(kv[0], kv[1]) for kv in items if isinstance(kv, list) and len(kv) == 2]
+    return None
+
+
+def _sequence(node: object) -> list[object] | None:
+    if isinstance(node, list):
+        return node
+    if isinstance(node, dict) and node.get("t") == "tuple" and isinstance(node.get("v"), list):
+        out: list[object] = node["v"]
+        return out
+    return None
+
+
+def _tensor_name(node: object) -> str | None:
+    if isinstance(node, dict) and node.get("t") == "tensor" and isinstance(node.get("n"), str):
+        name: str = node["n"]
+        return name
+    if isinstance(node, dict) and node.get("t") == "ndarray" and isinstance(node.get("n"), str):
+        name = node["n"]
+        return name
+    return None
+
+
+class _Walk:
+    """The skeleton's tensor leaves in order, and its optimizer ``state_dict``s."""
+
+    def __init__(self, root: object) -> None:
+        self.leaves: list[_Leaf] = []
+        self.optimizers: list[_Optimizer] = []
+        self._count = 0
+        self._visit(root, None, -1, ())
+
+    def _visit(self, node: object, key: object, parent: int, inside: tuple[int, ...]) -> None:
+        name = _tensor_name(node)
+        if name is not None:
+            self.leaves.append(_Leaf(name, key, parent, inside))
+            return
+        items = _items(node)
+        if items is not None:
+            index = self._count
+            self._count += 1
+            opt = _optimizer(index, items)
+            if opt is not None:
+                self.optimizers.append(opt)
+            for k, v in items:
+                self._visit(v, k, index, (*inside, index))
+            return
+        seq = _sequence(node)
+        if seq is not None:
+            for v in seq:
+                self._visit(v, None, parent, inside)
+
+
+def _optimizer(index: int, items: list[tuple[object, object]]) -> _Optimizer | None:
+    """An optimizer's ``state_dict`` (a mapping with ``state`` and ``param_groups``)."""
+    fields = {k: v for k, v in items if isinstance(k, str)}
+    state_items = _items(fields.get("state"))
+    groups = _sequence(fields.get("param_groups"))
+    if state_items is None or groups is None:
+        return None
+    params: list[object] = []
+    for group in groups:
+        group_items = _items(group)
+        if group_items is None:
+            return None
+        ids = _sequence(dict((k, v) for k, v in group_items if isinstance(k, str)).get("params"))
+        if ids is None:
+            return None
+        params += [p for p in ids if isinstance(p, int | str) and not isinstance(p, bool)]
+    state: dict[object, dict[str, str]] = {}
+    for key, entry in state_items:
+        entry_items = _items(entry)
+        if entry_items is None:
+            continue
+        names = {k: _tensor_name(v) for k, v in entry_items if isinstance(k, str)}
+        state[key] = {k: n for k, n in names.items() if n is not None}
+    return _Optimizer(index, params, state)
+
+
+def pair_tensors(
+    tensors: Sequence[tuple[str, str, tuple[int, ...]]], skeleton: object
+) -> list[Pair]:
+    """Which F32 weights go with which Adam moments, torch-free, from the tensor names
+    ``(name, dtype, shape)`` and the parsed skeleton JSON (``{"v": 1, "root": ...}``, its
+    root, or its text).
+
+    Layouts: a plain ``model.state_dict()`` + ``optimizer.state_dict()`` under any keys
+    (optimizer state keyed by integer ids, matched to parameters through ``param_groups``'
+    ``params`` order against the fp32 tensors of a mapping beside the optimizer, in order,
+    skipping BatchNorm-style buffers and checked by shape); and FQN-keyed states
+    (``torch.distributed.checkpoint.state_dict``: ``optim/state/<fqn>/exp_avg`` with the
+    tensor keyed ``<fqn>`` outside the optimizer). Weights with no Adam state (no optimizer
+    in the state, a frozen parameter, an optimizer that is not Adam-like): ``Pair(w, None,
+    None)``, weights-only pruning. Unpairable or non-F32 tensors, buffers, and fp32 tensors
+    that an optimizer present does not account for: not in the result (lossless).
+    """
+    if isinstance(skeleton, str | bytes):
+        skeleton = json.loads(skeleton)
+    if isinstance(skeleton, dict) and "root" in skeleton and "t" not in skeleton:
+        skeleton = skeleton["root"]
+    info = {name: (dtype, tuple(shape)) for name, dtype, shape in tensors}
+    walk = _Walk(skeleton)
+    in_optimizer = {o.index for o in walk.optimizers}
+
+    def f32(name: str | None) -> bool:
+        return name is not None and info.get(name, ("", ()))[0] == "F32"
+
+    def same_shape(a: str, b: str | None) -> bool:
+        return b is not None and info[a][1] == info[b][1]
+
+    seen: set[str] = set()
+    candidates: list[_Leaf] = []  # fp32 weights outside every optimizer, first mention
+    for leaf in walk.leaves:
+        if leaf.name in seen or any(i in in_optimizer for i in leaf.inside):
+            continue
+        seen.add(leaf.name)
+        key = leaf.key if isinstance(leaf.key, str) else ""
+        if f32(leaf.name) and not key.endswith(_BUFFER_NAMES):
+            candidates.append(leaf)
+    if not walk.optimizers:
+        return [Pair(leaf.name, None, None) for leaf in candidates]
+
+    pairs: dict[str, Pair] = {}
+    covered: set[int] = set()  # mappings whose weights an optimizer accounted for
+    for opt in walk.optimizers:
+        matched = _match(opt, candidates, info)
+        if matched is None:
+            continue
+        for leaf, pkey in matched:
+            covered.add(leaf.parent)
+            moments = opt.state.get(pkey, {})
+            m, v = moments.get("exp_avg"), moments.get("exp_avg_sq")
+            if f32(m) and f32(v) and same_shape(leaf.name, m) and same_shape(leaf.name, v):
+                pairs.setdefault(leaf.name, Pair(leaf.name, m, v))
+            else:
+                pairs.setdefault(leaf.name, Pair(leaf.name, None, None))
+    if not pairs:  # no optimizer could be matched: weights-only, as without one
+        return [Pair(leaf.name, None, None) for leaf in candidates]
+    out = []
+    for leaf in candidates:
+        if leaf.name in pairs:
+            out.append(pairs[leaf.name])
+        elif leaf.parent in covered:
+            out.append(Pair(leaf.name, None, None))  # a frozen parameter of the model
+    return out
+
+
+def _match(
+    opt: _Optimizer, candidates: list[_Leaf], info: Mapping[str, tuple[str, tuple[int, ...]]]
+) -> list[tuple[_Leaf, object]] | None:
+    """Each of the optimizer's parameters (its key in ``state``) with its weight, or None."""
+    if not opt.params:
+        return None
+    shapes: dict[object, tuple[int, ...] | None] = {}
+    for key in opt.params:
+        name = opt.state.get(key, {}).get("exp_avg")
+        shapes[key] = info[name][1] if name is not None and name in info else None
+    if all(isinstance(k, str) for k in opt.params):  # FQN-keyed
+        by_key: dict[str, _Leaf] = {}
+        for leaf in candidates:
+            if isinstance(leaf.key, str):
+                by_key.setdefault(leaf.key, leaf)
+        out: list[tuple[_Leaf, object]] = []
+        for key in opt.params:
+            found = by_key.get(str(key))
+            if found is not None and shapes[key] in (None, info[found.name][1]):
+                out.append((found, key))
+        return out or None
+    # integer ids: the parameters of some mapping beside the optimizer, in order
+    for container in _containers(candidates):
+        matched = _align(opt.params, shapes, container, info)
+        if matched is not None:
+            return matched
+    return None
+
+
+def _containers(candidates: list[_Leaf]) -> Iterator[list[_Leaf]]:
+    """Per mapping that holds fp32 weights (outermost first), its weights in order."""
+    order: list[int] = []
+    members: dict[int, list[_Leaf]] = {}
+    for leaf in candidates:
+        for index in leaf.inside:
+            if index not in members:
+                members[index] = []
+                order.append(index)
+            members[index].append(leaf)
+    for index in sorted(order):
+        yield members[index]
+
+
+def _align(
+    ids: list[object],
+    shapes: Mapping[object, tuple[int, ...] | None],
+    leaves: list[_Leaf],
+    info: Mapping[str, tuple[str, tuple[int, ...]]],
+) -> list[tuple[_Leaf, object]] | None:
+    """``ids`` matched in order to ``leaves`` (skipping leaves whose shape does not fit, as
+    non-parameters), or None when they do not all fit. With as many leaves as ids, one to
+    one."""
+    if len(leaves) == len(ids):
+        pairs = list(zip(leaves, ids, strict=True))
+        if all(shapes[i] in (None, info[leaf.name][1]) for leaf, i in pairs):
+            return pairs
+    out: list[tuple[_Leaf, object]] = []
+    pos = 0
+    for key in ids:
+        want = shapes[key]
+        while pos < len(leaves) and want is not None and info[leaves[pos].name][1] != want:
+            pos += 1
+        if pos >= len(leaves):
+            return None
+        out.append((leaves[pos], key))
+        pos += 1
+    return out

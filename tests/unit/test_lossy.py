@@ -1,0 +1,276 @@
+"""Lossy archival encoding (issue 23): deterministic, bit-exact decode, checksummed chains,
+weights paired with their Adam moments in both state layouts, parameters checked."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ckptstore.state import dtype_to_wire, flatten
+from ckptstore_core import codec, lossy
+from ckptstore_core.codec import RAW, checksum, decode_chain, encode_chunk, is_delta
+from ckptstore_core.errors import CorruptData, InvalidRequest
+from ckptstore_core.lossy import LOSSY, Lossy, Pair, decode, encode, pair_tensors
+
+N = 1 << 16
+
+
+def adam_like(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(base weights, new weights, exp_avg, exp_avg_sq) as consecutive Adam checkpoints
+    look: small steps, heavy-tailed moments, a stretch of untouched elements."""
+    rng = np.random.default_rng(seed)
+    w0 = rng.normal(0, 0.02, N).astype(np.float32)
+    v = (rng.standard_t(3, N) * 1e-3).astype(np.float32) ** 2
+    m = (rng.standard_t(3, N) * 1e-3).astype(np.float32)
+    step = (1e-3 * m / (np.sqrt(v) + 1e-8)).astype(np.float32)
+    w1 = (w0 - step).astype(np.float32)
+    w1[: N // 8] = w0[: N // 8]  # rows that saw no gradient
+    return w0, w1, m, v
+
+
+def test_weight_roundtrip_is_deterministic_and_bit_exact() -> None:
+    w0, w1, _, v = adam_like(1)
+    params = Lossy(weight_prune=0.9)
+    first = encode("weight", w1, w0, v, params)
+    second = encode("weight", w1.copy(), w0.copy(), v.copy(), params)
+    assert first is not None and second is not None
+    payload, recon = first
+    assert payload == second[0]
+    assert recon.tobytes() == second[1].tobytes()
+    # decode gives the reconstruction bit for bit, from bytes or an array base
+    assert decode(payload, w0.tobytes(), N).tobytes() == recon.tobytes()
+    assert decode(memoryview(payload), w0, N).tobytes() == recon.tobytes()
+    # pruned elements load as their base exactly; about 10% of the changed ones are kept
+    changed = w1 != w0
+    moved = recon != w0
+    assert not (moved & ~changed).any()
+    assert 0.08 < moved.sum() / changed.sum() < 0.12
+    # closer to the truth than the base, and small: a mask and 4-bit indices
+    assert np.abs(recon - w1).sum() < 0.7 * np.abs(w0 - w1).sum()
+    assert len(payload) < 0.05 * w1.nbytes
+
+
+def test_moments_roundtrip() -> None:
+    _, _, m, v = adam_like(2)
+    rng = np.random.default_rng(3)
+    m1 = (0.5 * m + rng.normal(0, 1e-3, N)).astype(np.float32)
+    v1 = (v * rng.uniform(0.5, 2.0, N)).astype(np.float32)
+    params = Lossy(moment_prune=0.8)
+    enc_m = encode("exp_avg", m1, m, v, params)
+    enc_v = encode("exp_avg_sq", v1, v, v, params)
+    assert enc_m is not None and enc_v is not None
+    # exp_avg: pruned to 0, kept ones quantized; needs no base to decode
+    assert decode(enc_m[0], None, N).tobytes() == enc_m[1].tobytes()
+    assert 0.18 < np.count_nonzero(enc_m[1]) / N < 0.22
+    # exp_avg_sq: never negative, pruned elements at their base
+    recon_v = decode(enc_v[0], v, N)
+    assert recon_v.tobytes() == enc_v[1].tobytes()
+    assert (recon_v >= 0).all()
+    assert 0.75 < np.count_nonzero(recon_v == v) / N < 0.85
+    # exact moments: the caller stores them losslessly
+    exact = Lossy(exact_moments=True)
+    assert encode("exp_avg", m1, m, v, exact) is None
+    assert encode("exp_avg_sq", v1, v, v, exact) is None
+    assert encode("weight", m1, m, v, exact) is not None
+
+
+def test_chunks_that_stay_lossless() -> None:
+    w0, w1, _, v = adam_like(4)
+    params = Lossy()
+    assert encode("weight", w1, None, v, params) is None  # no base
+    small = lossy.MIN_ELEMENTS - 1
+    assert encode("weight", w1[:small], w0[:small], v[:small], params) is None
+    bad = w1.copy()
+    bad[7] = np.nan
+    assert encode("weight", bad, w0, v, params) is None
+    with pytest.raises(ValueError):
+        encode("weight", w1.astype(np.float64), w0, v, params)  # type: ignore[arg-type]
+
+
+def test_decode_chain_checks_the_reconstruction() -> None:
+    """A lossy link decodes against the chain's result so far and is checked against the
+    checksum of the reconstruction; mixed chains (whole, lossy, lossless delta, lossy)
+    rebuild exactly."""
+    assert is_delta(LOSSY)
+    w0, w1, _, v = adam_like(5)
+    enc1 = encode("weight", w1, w0, v, Lossy())
+    assert enc1 is not None
+    payload1, recon1 = enc1
+    links: list[tuple[str, codec.Buffer]] = [(RAW, w0.tobytes()), (LOSSY, payload1)]
+    out = decode_chain(links, 4, w0.nbytes, checksum(recon1.tobytes()))
+    assert bytes(out) == recon1.tobytes()
+    with pytest.raises(CorruptData, match="checksum"):
+        decode_chain(links, 4, w0.nbytes, checksum(w1.tobytes()))
+    # a lossless delta on the reconstruction, then another lossy link
+    w2 = (w1 + np.float32(1e-4)).astype(np.float32)
+    exact = encode_chunk(w2.tobytes(), recon1.tobytes(), 4)
+    assert is_delta(exact.codec)
+    enc3 = encode("weight", (w2 * np.float32(1.001)).astype(np.float32), w2, v, Lossy())
+    assert enc3 is not None
+    chain = [*links, (exact.codec, exact.payload), (LOSSY, enc3[0])]
+    out = decode_chain(chain, 4, w0.nbytes, checksum(enc3[1].tobytes()))
+    assert bytes(out) == enc3[1].tobytes()
+    # through decode_chunk too, and only for 4-byte items
+    assert (
+        codec.decode_chunk(LOSSY, payload1, w0.tobytes(), 4, w0.nbytes, checksum(recon1))
+        == recon1.tobytes()
+    )
+    with pytest.raises(CorruptData):
+        decode_chain([(RAW, w0.tobytes()), (LOSSY, payload1)], 2, w0.nbytes, b"")
+
+
+def test_corrupt_payloads_are_typed_errors() -> None:
+    w0, w1, _, v = adam_like(6)
+    enc = encode("weight", w1, w0, v, Lossy())
+    assert enc is not None
+    payload = enc[0]
+    for bad in (payload[:5], payload[:-1], payload + b"\0", b"\x02" + payload[1:]):
+        with pytest.raises(CorruptData):
+            decode(bad, w0, N)
+    with pytest.raises(CorruptData):
+        decode(payload, w0, N - 1)  # another length
+    with pytest.raises(CorruptData):
+        decode(payload, None, N)  # an additive chunk needs its base
+
+
+def test_parameters_json() -> None:
+    assert Lossy.from_json(True) == Lossy()
+    custom = Lossy(weight_prune=0.5, moment_prune=0.25, bits=3, exact_moments=True)
+    assert Lossy.from_json(custom.to_json()) == custom
+    assert Lossy.from_json(json.dumps(custom.to_json())) == custom
+    assert Lossy.from_json({"bits": 2}) == Lossy(bits=2)
+    for bad in (
+        False,
+        None,
+        1,
+        "[",
+        [0.5],
+        {"weight_prune": 1.0},
+        {"weight_prune": -0.1},
+        {"weight_prune": "0.5"},
+        {"moment_prune": float("nan")},
+        {"bits": 0},
+        {"bits": 9},
+        {"bits": 4.0},
+        {"bits": True},
+        {"exact_moments": 1},
+        {"prune": 0.5},
+    ):
+        with pytest.raises(InvalidRequest):
+            Lossy.from_json(bad)
+
+
+# -- pairing ----------------------------------------------------------------------------
+
+
+def _pairs(state: Any) -> tuple[list[Pair], dict[str, torch.Tensor]]:
+    flat = flatten(state)
+    tensors = dict(flat.tensors)
+    table = [(n, dtype_to_wire(t.dtype), tuple(t.shape)) for n, t in flat.tensors]
+    return pair_tensors(table, json.loads(flat.skeleton)), tensors
+
+
+def _trained(model: nn.Module, steps: int = 2) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+    return opt
+
+
+class _Scale(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(n))
+
+
+class _Net(nn.Module):
+    """BatchNorm buffers of the same shape as the next module's parameter, a frozen layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.post = _Scale(16)  # its parameter comes right after bn's running statistics
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.frozen(self.bn(self.fc1(x)) * self.post.scale))
+
+
+_ADAM = ("fc1.weight", "fc1.bias", "bn.weight", "bn.bias", "post.scale", "fc2.weight", "fc2.bias")
+
+
+def _check_adam_pairs(pairs: list[Pair], tensors: dict[str, torch.Tensor], wprefix: str) -> None:
+    by_weight = {p.weight: p for p in pairs}
+    for name in _ADAM:
+        p = by_weight[f"{wprefix}{name}"]
+        assert p.exp_avg is not None and p.exp_avg_sq is not None
+        assert tensors[p.exp_avg].shape == tensors[p.weight].shape
+    assert {p.weight for p in pairs if p.exp_avg is None} <= {
+        f"{wprefix}frozen.weight",
+        f"{wprefix}frozen.bias",
+    }
+    names = {p.weight for p in pairs}
+    assert not any("running" in n or "num_batches" in n for n in names)
+    moments = {p.exp_avg for p in pairs} | {p.exp_avg_sq for p in pairs}
+    assert len(moments - {None}) == 2 * len(_ADAM)
+
+
+def test_pairs_plain_state_dicts_by_param_groups_order() -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    opt = _trained(model)
+    pairs, tensors = _pairs({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    _check_adam_pairs(pairs, tensors, "model/")
+    by_weight = {p.weight: p for p in pairs}
+    p = by_weight["model/post.scale"]
+    assert p.exp_avg == "optimizer/state/4/exp_avg"  # id 4, not a running statistic
+    # frozen weights have no state: weights-only
+    assert by_weight["model/frozen.weight"] == Pair("model/frozen.weight", None, None)
+    # Lightning-style keys, two parameter groups
+    opt2 = torch.optim.Adam(
+        [
+            {"params": [model.fc1.weight, model.fc1.bias]},
+            {"params": [model.bn.weight, model.bn.bias, model.post.scale, *model.fc2.parameters()]},
+        ]
+    )
+    model(torch.randn(4, 8)).sum().backward()
+    opt2.step()
+    lightning = {"state_dict": model.state_dict(), "optimizer_states": [opt2.state_dict()]}
+    pairs, tensors = _pairs(lightning)
+    _check_adam_pairs(pairs, tensors, "state_dict/")
+
+
+def test_pairs_fqn_keyed_states() -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = _Net()
+    opt = _trained(model)
+    msd, osd = get_state_dict(model, opt)
+    assert "fc1.weight" in osd["state"]
+    pairs, tensors = _pairs({"model": msd, "optim": osd})
+    _check_adam_pairs(pairs, tensors, "model/")
+    p = {p.weight: p for p in pairs}["model/post.scale"]
+    assert p.exp_avg == "optim/state/post.scale/exp_avg"
+
+
+def test_pairs_without_optimizer_are_weights_only() -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    state = {"model": model.state_dict(), "step": 3, "half": torch.ones(3, dtype=torch.float16)}
+    pairs, _ = _pairs(state)
+    assert all(p.exp_avg is None and p.exp_avg_sq is None for p in pairs)
+    assert {p.weight for p in pairs} == {
+        f"model/{n}" for n, _ in model.named_parameters()
+    }  # buffers and the fp16 tensor stay lossless
+    assert pair_tensors([], {"v": 1, "root": {"t": "dict", "v": []}}) == []
