@@ -51,6 +51,7 @@ from ckptstore_core.errors import (
     StorageUnavailable,
     error_from_code,
 )
+from ckptstore_core.lossy import Lossy
 from ckptstore_core.names import check_run_name
 from ckptstore_core.records import (
     USER_METADATA_KEY,
@@ -376,16 +377,22 @@ class CheckpointClient:
         keep_last: int | None = None,
         keep_every: int | None = None,
         keep_best: tuple[str, Literal["min", "max"], int] | KeepBest | None = None,
+        *,
+        lossy_after: int | None = None,
+        lossy: Lossy | None = None,
     ) -> RetentionPolicy:
         """Set ``run``'s retention policy, replacing any it had: keep the newest
         ``keep_last``, every step that is a multiple of ``keep_every`` and the ``keep_best``
         ``(metric, "min"|"max", n)`` best by a key of the checkpoints' metadata; a checkpoint
         is kept if any rule keeps it, and the newest and pinned ones always are. No rule:
-        everything is kept (whatever the service's default). The service applies it at once
-        and after each save, in the background. ValueError for a bad rule, before anything
-        is sent. Returns the policy stored (docs/lifecycle.md)."""
+        everything is kept (whatever the service's default). With ``lossy_after=K`` the
+        checkpoints kept that are older than the newest K (and not pinned) are re-encoded
+        lossy, with the parameters ``lossy`` (None: the defaults; docs/lossy.md#archival).
+        The service applies it at once and after each save, in the background. ValueError
+        for a bad rule, before anything is sent. Returns the policy stored
+        (docs/lifecycle.md)."""
         best = KeepBest(*keep_best) if isinstance(keep_best, tuple) else keep_best
-        policy = RetentionPolicy(keep_last, keep_every, best)
+        policy = RetentionPolicy(keep_last, keep_every, best, lossy_after, lossy)
         path = self._run_path(run) + "/retention"
         obj = self._call("PUT", path, policy.to_json())
         return RetentionPolicy.from_json(obj["retention"])

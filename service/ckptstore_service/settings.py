@@ -139,6 +139,14 @@ class Settings(BaseSettings):
         description="Default retention: keep the N best checkpoints by a key of their "
         "metadata, written METRIC:min|max:N (eval_loss:min:3).",
     )
+    retention_lossy_after: int | None = Field(
+        default=None,
+        ge=1,
+        description="Default archival of the runs without a retention policy of their own: "
+        "every checkpoint older than the newest K (not pinned) is re-encoded lossy with the "
+        "default lossy parameters, in the background (docs/lossy.md#archival). Unset: "
+        "every checkpoint stays bit-exact.",
+    )
     max_upload_bytes: int = Field(default=1 << 40, ge=1, description="Largest checkpoint accepted.")
     max_header_bytes: int = Field(default=100 * MiB, ge=1024)
     max_tensors: int = Field(
@@ -195,8 +203,9 @@ class Settings(BaseSettings):
             self.retention_keep_last,
             self.retention_keep_every,
             None if best is None else parse_keep_best(best),
+            self.retention_lossy_after,
         )
-        return policy if policy.has_rules else None
+        return policy if policy.has_rules or policy.archives else None
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'catalog.sqlite3').resolve()}"

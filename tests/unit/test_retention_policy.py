@@ -9,11 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckptstore_core.errors import InvalidRequest
+from ckptstore_core.lossy import Lossy
 from ckptstore_core.retention import (
     Candidate,
     KeepBest,
     RetentionPolicy,
     kept_steps,
+    lossy_steps,
     parse_keep_best,
 )
 
@@ -74,6 +77,37 @@ def test_policy_json_round_trip_and_refusals() -> None:
     ):
         with pytest.raises(ValueError):
             RetentionPolicy.from_json(bad)
+
+
+def test_lossy_after_is_no_deletion_rule() -> None:
+    """``lossy_after=K``: every checkpoint older than the newest K but the pinned ones goes
+    to the lossy tier; alone it deletes nothing; with rules, it applies to what they keep."""
+    policy = RetentionPolicy(lossy_after=3)
+    assert not policy.has_rules and policy.archives
+    assert kept_steps(policy, run(10)) == set(range(10))
+    assert lossy_steps(policy, run(10, pinned=(2,))) == {0, 1, 3, 4, 5, 6}
+    assert lossy_steps(policy, run(3)) == set() == lossy_steps(None, run(10))
+    assert lossy_steps(RetentionPolicy(keep_last=2), run(10)) == set()
+    both = RetentionPolicy(keep_every=2, lossy_after=1)
+    kept = [c for c in run(10) if c.step in kept_steps(both, run(10))]
+    assert lossy_steps(both, kept) == {0, 2, 4, 6, 8}
+    assert policy.lossy_params() == Lossy.from_json(True)
+
+
+def test_lossy_policy_json_round_trip_and_refusals() -> None:
+    params = Lossy(weight_prune=0.5, moment_prune=0.7, bits=3, exact_moments=True)
+    policy = RetentionPolicy(keep_last=4, lossy_after=2, lossy=params)
+    assert RetentionPolicy.from_json(policy.to_json()) == policy
+    assert policy.to_json()["lossy"] == params.to_json()
+    assert str(policy) == f"keep_last=4, lossy_after=2 ({params})"
+    # a policy stored before lossy_after existed reads as it was
+    old = {"keep_last": 3, "keep_every": None, "keep_best": None}
+    assert RetentionPolicy.from_json(old) == RetentionPolicy(keep_last=3)
+    for bad in ({"lossy_after": 0}, {"lossy_after": True}, {"lossy": {"bits": 4}}):
+        with pytest.raises(ValueError):
+            RetentionPolicy.from_json(bad)
+    with pytest.raises(InvalidRequest):
+        RetentionPolicy.from_json({"lossy_after": 1, "lossy": {"bits": 99}})
 
 
 def test_parse_keep_best() -> None:

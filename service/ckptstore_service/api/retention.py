@@ -13,7 +13,7 @@ answer to a PUT comes before its deletes; ``/healthz``'s ``maintenance`` counts 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path
 from pydantic import BaseModel, ConfigDict, Field
@@ -63,9 +63,23 @@ class RetentionBody(BaseModel):
         default=None, ge=1, description="Every checkpoint whose step is a multiple of K"
     )
     keep_best: KeepBestBody | None = None
+    lossy_after: int | None = Field(
+        default=None,
+        ge=1,
+        description="Not a deletion rule: every checkpoint older than the newest K (not "
+        "pinned) is re-encoded lossy in the background (docs/lossy.md#archival)",
+    )
+    lossy: dict[str, Any] | None = Field(
+        default=None,
+        description="The lossy parameters of those checkpoints (as a checkpoint's `lossy` "
+        "shows them); null: the defaults. Only with lossy_after",
+    )
 
     def policy(self) -> RetentionPolicy:
-        return RetentionPolicy.from_json(self.model_dump())
+        try:
+            return RetentionPolicy.from_json(self.model_dump())
+        except ValueError as exc:  # the rules' combination (each field is checked above)
+            raise InvalidRequest(str(exc)) from exc
 
     @classmethod
     def of(cls, policy: RetentionPolicy | None) -> RetentionBody | None:
@@ -140,7 +154,8 @@ async def set_retention(
 ) -> RetentionOut:
     """Set the run's retention policy (replacing any it had; the run needs no checkpoint
     yet). It is applied at once, in the background, and after each save: the checkpoints it
-    does not keep are deleted as `DELETE .../checkpoints/{step}` would."""
+    does not keep are deleted as `DELETE .../checkpoints/{step}` would, and with
+    `lossy_after` those older than the newest K are re-encoded lossy."""
     check_run_name(run)
     await run_in_threadpool(rt.catalog.set_retention, run, body.policy())
     maintenance.run_now(run)
