@@ -18,6 +18,7 @@ from ckptstore_core.errors import (
     InternalError,
     InvalidRequest,
     InvalidStream,
+    LockLost,
     NotFound,
     PayloadTooLarge,
     RequestTimeout,
@@ -25,9 +26,11 @@ from ckptstore_core.errors import (
     RunNotFound,
     ServiceUnavailable,
     StorageUnavailable,
+    TooManyUploads,
     Unauthorized,
     UnsupportedDtype,
 )
+from ckptstore_core.lossy import Lossy
 
 if TYPE_CHECKING:
     from ckptstore.client import CheckpointClient, CheckpointInfo, RunInfo
@@ -46,6 +49,8 @@ __all__ = [
     "InternalError",
     "InvalidRequest",
     "InvalidStream",
+    "LockLost",
+    "Lossy",
     "NotFound",
     "PayloadTooLarge",
     "RequestTimeout",
@@ -54,6 +59,7 @@ __all__ = [
     "RunNotFound",
     "ServiceUnavailable",
     "StorageUnavailable",
+    "TooManyUploads",
     "Unauthorized",
     "UnsupportedDtype",
 ]

@@ -130,15 +130,25 @@ def _ls(args: argparse.Namespace) -> int:
         _print_json({"run": args.run, "checkpoints": [c.to_json() for c in checkpoints]})
         return 0
     print(
-        f"{'step':>10} {'parent':>10} {'key':>4} {'depth':>5} {'raw':>12} {'stored':>12} {'pin':>4}"
+        f"{'step':>10} {'parent':>10} {'key':>4} {'depth':>5} {'raw':>12} {'stored':>12} "
+        f"{'ratio':>9} {'pin':>4}  lossy"
     )
     for c in checkpoints:
         parent = "-" if c.parent_step is None else str(c.parent_step)
         print(
             f"{c.step:>10} {parent:>10} {'K' if c.keyframe else '':>4} {c.chain_depth:>5} "
-            f"{_human(c.raw_bytes):>12} {_human(c.stored_bytes):>12} {'P' if c.pinned else '':>4}"
+            f"{_human(c.raw_bytes):>12} {_human(c.stored_bytes):>12} "
+            f"{_ratio(c.raw_bytes, c.stored_bytes):>9} {'P' if c.pinned else '':>4}  "
+            f"{_lossy(c.lossy)}"
         )
     return 0
+
+
+def _lossy(params: dict[str, Any] | None) -> str:
+    """A checkpoint's lossy parameters as ``ls`` shows them: ``-`` for a bit-exact one."""
+    if params is None:
+        return "-"
+    return ",".join(f"{k}={json.dumps(v)}" for k, v in params.items())
 
 
 def _pin(args: argparse.Namespace) -> int:
@@ -160,15 +170,15 @@ def _retention(args: argparse.Namespace) -> int:
     from ckptstore_core.retention import RetentionPolicy
 
     rules = (args.keep_last, args.keep_every, args.keep_best)
-    if args.clear and rules != (None, None, None):
-        print("ckptstore: --clear takes no rules (--keep-*)", file=sys.stderr)
+    if args.clear and (rules != (None, None, None) or args.lossy_after is not None):
+        print("ckptstore: --clear takes no rules (--keep-*, --lossy-after)", file=sys.stderr)
         return 2
     with _client(args) as client:
         if args.clear:
             applied = client.clear_retention(args.run)
             print(f"retention of {args.run}: cleared (the service's default applies)")
-        elif rules != (None, None, None):
-            applied = client.set_retention(args.run, *rules)
+        elif rules != (None, None, None) or args.lossy_after is not None:
+            applied = client.set_retention(args.run, *rules, lossy_after=args.lossy_after)
             print(f"retention of {args.run}: {applied} (applied in the background)")
         else:
             info = client.run_info(args.run)
@@ -507,6 +517,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-best", metavar="METRIC:min|max:N", type=_keep_best,
         help="keep the N best by a key of the checkpoints' metadata (eval_loss:min:3)",
+    )  # fmt: skip
+    p.add_argument(
+        "--lossy-after", metavar="K", type=_count,
+        help="no deletion rule: re-encode the checkpoints older than the newest K lossy, with "
+        "the default parameters (docs/lossy.md#archival)",
     )  # fmt: skip
     p.add_argument(
         "--clear", action="store_true", help="clear the run's policy: the service's default applies"

@@ -49,11 +49,13 @@ from ckptstore_core.errors import (
     RequestTimeout,
     ServiceUnavailable,
     StorageUnavailable,
+    TooManyUploads,
     error_from_code,
 )
 from ckptstore_core.lossy import Lossy
 from ckptstore_core.names import check_run_name
 from ckptstore_core.records import (
+    LOSSY_KEY,
     USER_METADATA_KEY,
     CheckpointInfo,
     RunDetail,
@@ -144,6 +146,15 @@ class _Pool:
             conn.close()
 
 
+def lossy_text(lossy: bool | Lossy | Mapping[str, Any] | None) -> str | None:
+    """What a save sends under ``ckptstore.lossy`` for ``lossy`` (the parameters as JSON,
+    ``True`` resolved to the defaults), None for a bit-exact save; InvalidRequest for bad
+    parameters, before anything is sent."""
+    if lossy is None or lossy is False:
+        return None
+    return json.dumps(Lossy.from_json(lossy).to_json(), separators=(",", ":"))
+
+
 class CheckpointClient:
     """Client of a ckptstore service at ``url`` (e.g. ``http://127.0.0.1:8000``); without
     one, at ``CKPTSTORE_URL`` from the environment, else :data:`DEFAULT_URL`.
@@ -218,6 +229,7 @@ class CheckpointClient:
         *,
         metadata: Mapping[str, Any] | None = None,
         progress: bool | None = None,
+        lossy: bool | Lossy | None = None,
     ) -> CheckpointInfo:
         """Store ``state`` (a nested state dict) as checkpoint ``step`` of ``run``.
 
@@ -225,12 +237,20 @@ class CheckpointClient:
         listings (``CheckpointInfo.metadata``), e.g. ``{"eval_loss": 0.31}``; at most 64 KiB
         of JSON, no NaN (``ValueError``/``TypeError`` before anything is sent). Part of the
         checkpoint: a retry with other metadata is a conflict.
+
+        ``lossy``: ``True`` (the default parameters) or a :class:`ckptstore.Lossy` stores
+        the fp32 weights and their Adam moments lossy, against the previous checkpoint as it
+        loads; everything else stays bit-exact. The checkpoint then loads to the same
+        bytes every time, but not to the bytes saved; its listing's ``lossy`` says so
+        (None: bit-exact). Bad parameters raise InvalidRequest before anything is sent
+        (docs/lossy.md).
         """
         check_run_name(run)  # before the state is flattened
         text = None if metadata is None else encode_user_metadata(metadata)
+        asked = lossy_text(lossy)
         from ckptstore.state import flatten
 
-        return self._upload(run, step, flatten(state), progress, text)
+        return self._upload(run, step, flatten(state), progress, text, asked)
 
     def save_async(
         self,
@@ -240,6 +260,7 @@ class CheckpointClient:
         *,
         metadata: Mapping[str, Any] | None = None,
         progress: bool | None = None,
+        lossy: bool | Lossy | None = None,
     ) -> Future[CheckpointInfo]:
         """Start saving ``state`` as checkpoint ``step`` of ``run``; return once it is copied.
 
@@ -255,16 +276,18 @@ class CheckpointClient:
         ``KeyboardInterrupt`` while waiting or copying): a state that cannot be flattened, a
         service still down after ``retries`` (:class:`~ckptstore_core.errors.ServiceUnavailable`),
         a conflicting step -- each is set on the returned future and logged as a warning on
-        the ``ckptstore`` logger (metadata that is no small JSON object too). ``metadata``:
-        as for :meth:`save`. The buffers hold one host copy of the state's tensors until
-        :meth:`close`. The future's done-callbacks run on the upload thread: calling
-        ``save_async``, :meth:`wait` or :meth:`close` from one raises ``RuntimeError``.
+        the ``ckptstore`` logger (metadata that is no small JSON object too). ``metadata``
+        and ``lossy``: as for :meth:`save` (bad lossy parameters raise here). The buffers
+        hold one host copy of the state's tensors until :meth:`close`. The future's
+        done-callbacks run on the upload thread: calling ``save_async``, :meth:`wait` or
+        :meth:`close` from one raises ``RuntimeError``.
 
         Before the process ends, call :meth:`wait` (raises the last save's error) or
         :meth:`close` (waits, raises nothing), or leave the client's ``with`` block. As a
         safety net, interpreter exit also waits for an upload in flight; a killed process
         loses it (and, the commit being atomic, leaves nothing partial behind).
         """
+        asked = lossy_text(lossy)
         saver = self._saver
         if saver is None:
             from ckptstore.staging import AsyncSaver
@@ -273,7 +296,7 @@ class CheckpointClient:
                 if self._saver is None:
                     self._saver = AsyncSaver(self._upload)
                 saver = self._saver
-        return saver.submit(run, step, state, progress, metadata)
+        return saver.submit(run, step, state, progress, metadata, asked)
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Wait for the last :meth:`save_async` to finish and return its checkpoint.
@@ -418,9 +441,11 @@ class CheckpointClient:
         flat: FlatState,
         progress: bool | None,
         metadata: str | None = None,
+        lossy: str | None = None,
     ) -> CheckpointInfo:
         """The one save path (``save`` and ``save_async``): stream the flattened state with
-        the user's ``metadata`` (encoded JSON), retrying as configured."""
+        the user's ``metadata`` (encoded JSON) and the ``lossy`` parameters asked for (JSON,
+        :func:`lossy_text`), retrying as configured."""
         from ckptstore.state import dtype_to_wire, tensor_bytes, upload_order
 
         ordered = upload_order(flat.tensors)
@@ -428,6 +453,8 @@ class CheckpointClient:
         stored = {"format": FORMAT, "skeleton": flat.skeleton}
         if metadata is not None:
             stored[USER_METADATA_KEY] = metadata
+        if lossy is not None:
+            stored[LOSSY_KEY] = lossy
         prefix, header = encode_header(specs, stored)
         show = self.progress if progress is None else progress
 
@@ -614,7 +641,7 @@ class CheckpointClient:
         for n in range(self.retries + 1):
             try:
                 return attempt()
-            except (*_TRANSIENT, StorageUnavailable, RequestTimeout) as exc:
+            except (*_TRANSIENT, StorageUnavailable, RequestTimeout, TooManyUploads) as exc:
                 if n == self.retries:
                     if isinstance(exc, CkptStoreError):
                         raise

@@ -46,7 +46,7 @@ __all__ = ["AsyncSaver", "StagingBuffers"]
 
 logger = logging.getLogger("ckptstore")
 
-Upload = Callable[[str, int, FlatState, bool | None, str | None], CheckpointInfo]
+Upload = Callable[[str, int, FlatState, bool | None, str | None, str | None], CheckpointInfo]
 
 
 # CPU copies are split over up to this many threads (the caller's included) once a state
@@ -194,8 +194,8 @@ def _split(pairs: list[tuple[_Bytes, _Bytes]], n: int) -> list[list[tuple[_Bytes
 class AsyncSaver:
     """One client's background saves: stage in the caller's thread, upload in one worker.
 
-    ``upload(run, step, flat, progress, metadata)`` is the client's synchronous save of an already
-    flattened state. At most one save is in flight: :meth:`submit` first waits for the
+    ``upload(run, step, flat, progress, metadata, lossy)`` is the client's synchronous save
+    of an already flattened state. At most one save is in flight: :meth:`submit` first waits for the
     previous one (whatever its outcome) and only then overwrites the staging buffers.
     """
 
@@ -223,8 +223,10 @@ class AsyncSaver:
         state: object,
         progress: bool | None,
         metadata: Mapping[str, Any] | None = None,
+        lossy: str | None = None,
     ) -> Future[CheckpointInfo]:
-        """Stage ``state`` and start its upload; returns once the state is copied."""
+        """Stage ``state`` and start its upload; returns once the state is copied.
+        ``lossy``: the lossy parameters asked for, as the save sends them (JSON)."""
         self._refuse_on_worker("save_async")
         with self._lock:
             if self._last is not None:
@@ -244,16 +246,22 @@ class AsyncSaver:
                 # a ThreadPoolExecutor's workers are joined at interpreter exit, so an upload
                 # in flight then is finished, not cut off
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-save")
-            future = self._executor.submit(self._run, run, step, flat, progress, text)
+            future = self._executor.submit(self._run, run, step, flat, progress, text, lossy)
             self._last = future
             return future
 
     def _run(
-        self, run: str, step: int, flat: FlatState, progress: bool | None, metadata: str | None
+        self,
+        run: str,
+        step: int,
+        flat: FlatState,
+        progress: bool | None,
+        metadata: str | None,
+        lossy: str | None,
     ) -> CheckpointInfo:
         self._worker = threading.get_ident()
         try:
-            return self._upload(run, step, flat, progress, metadata)
+            return self._upload(run, step, flat, progress, metadata, lossy)
         except Exception as exc:
             logger.warning("ckptstore: save_async of %s/%s failed: %s", run, step, exc)
             raise

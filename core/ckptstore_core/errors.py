@@ -24,6 +24,13 @@ the same class, so ``except CheckpointNotFound`` works on both sides of the wire
     ├── CorruptData               500 corrupt_data      checksum mismatch on read
     ├── InternalError             500 internal_error    a bug: anything not translated
     ├── StorageUnavailable        503 storage_unavailable blob store or database unreachable
+    │   │                                                 (or refusing connections: full)
+    │   └── LockLost              503 lock_lost         the run's lock was lost (its lease
+    │                                                     expired, another writer took it):
+    │                                                     the commit is refused, retry
+    ├── TooManyUploads            503 too_many_uploads  this client (token or address)
+    │                                                     holds its share of the upload
+    │                                                     slots already (Retry-After)
     └── ServiceUnavailable        503 service_unavailable client side: the service cannot
                                                           be reached (after retries)
 
@@ -42,12 +49,14 @@ __all__ = [
     "InternalError",
     "InvalidRequest",
     "InvalidStream",
+    "LockLost",
     "NotFound",
     "PayloadTooLarge",
     "RunBusy",
     "RunNotFound",
     "ServiceUnavailable",
     "StorageUnavailable",
+    "TooManyUploads",
     "Unauthorized",
     "UnsupportedDtype",
     "error_from_code",
@@ -181,6 +190,22 @@ class StorageUnavailable(CkptStoreError):
     """The blob store or the database cannot be reached."""
 
     code = "storage_unavailable"
+    status = 503
+
+
+class LockLost(StorageUnavailable):
+    """The lock a write held was lost before its commit (a lease that expired while the
+    database was unreachable, taken over by another writer): the commit is refused, nothing
+    of the write is visible, and a retry starts afresh."""
+
+    code = "lock_lost"
+
+
+class TooManyUploads(CkptStoreError):
+    """The client (its token, or its address without one) has its share of the service's
+    upload slots in use already: retry once one of its uploads is done."""
+
+    code = "too_many_uploads"
     status = 503
 
 

@@ -264,10 +264,12 @@ def _keep(imp: np.ndarray, prune: float) -> np.ndarray:
     return keep
 
 
-def _quantize(values: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """A float32 codebook of at most ``2**bits`` entries (1-D k-means: quantile start,
-    fixed iterations, float64 means) and each value's nearest entry (u8 indices)."""
-    k = 1 << bits
+def _quantize(
+    values: np.ndarray, bits: int, levels: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """A float32 codebook of at most ``levels`` (default ``2**bits``) entries (1-D k-means:
+    quantile start, fixed iterations, float64 means) and each value's nearest entry (u8)."""
+    k = levels or 1 << bits
     if not len(values):
         return np.zeros(0, np.float32), np.zeros(0, np.uint8)
     xs = np.sort(values.astype(np.float64))

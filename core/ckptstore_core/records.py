@@ -17,6 +17,7 @@ from typing import Any, Self
 from ckptstore_core.retention import RetentionPolicy
 
 __all__ = [
+    "LOSSY_KEY",
     "MAX_USER_METADATA_BYTES",
     "USER_METADATA_KEY",
     "CheckpointInfo",
@@ -32,6 +33,10 @@ __all__ = [
 USER_METADATA_KEY = "ckptstore.metadata"
 #: The most bytes of JSON a checkpoint's user metadata may take: it is listed with it.
 MAX_USER_METADATA_BYTES = 64 << 10
+#: The save header's metadata key that asks for a lossy save (docs/lossy.md): ``true`` (the
+#: default parameters) or a JSON object of parameters (``ckptstore_core.lossy.Lossy``).
+#: Not stored with the checkpoint's metadata: its listing's ``lossy`` says what was done.
+LOSSY_KEY = "ckptstore.lossy"
 
 
 def _no_constant(name: str) -> None:

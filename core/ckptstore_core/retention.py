@@ -173,7 +173,9 @@ class RetentionPolicy:
         )
 
     def __str__(self) -> str:
-        lossy = "" if self.lossy is None else f" ({self.lossy})"
+        lossy = ""
+        if self.lossy is not None:
+            lossy = " (" + ", ".join(f"{k}={v}" for k, v in self.lossy.to_json().items()) + ")"
         rules = [
             f"keep_last={self.keep_last}" if self.keep_last is not None else "",
             f"keep_every={self.keep_every}" if self.keep_every is not None else "",

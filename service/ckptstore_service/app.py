@@ -26,6 +26,7 @@ from ckptstore_service.api.instrument import instrument
 from ckptstore_service.api.routes import router, unrouted
 from ckptstore_service.auth import OPEN, auth_required
 from ckptstore_service.maintenance import Maintenance, RerootPolicy
+from ckptstore_service.memory import MemoryTrimmer
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
@@ -35,8 +36,13 @@ __all__ = ["create_app"]
 log = logging.getLogger("ckptstore")
 
 
+# A 503 is what a retry can fix: say when (clients back off on their own as well)
+_RETRY_AFTER_S = "1"
+
+
 def _error(exc: CkptStoreError) -> JSONResponse:
-    return JSONResponse(exc.to_json(), status_code=exc.status)
+    headers = {"Retry-After": _RETRY_AFTER_S} if exc.status == 503 else None
+    return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
 
 
 def _log_auth(settings: Settings, required: bool, runtime: Runtime) -> None:
@@ -64,6 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime = await run_in_threadpool(Runtime.open, settings, metrics)
         app.state.runtime = runtime
+        trimmer = MemoryTrimmer(settings.memory_trim_interval_s).start()
         await run_in_threadpool(_log_auth, settings, tokens_required, runtime)
         app.state.uploads = Uploads(
             anyio.CapacityLimiter(settings.max_concurrent_uploads),
@@ -72,6 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 min_rate=settings.upload_min_rate_bytes_s,
                 window_s=settings.upload_rate_window_s,
             ),
+            per_client=settings.uploads_per_client(),
         )
         app.state.maintenance = Maintenance(
             runtime.catalog,
@@ -90,6 +98,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await run_in_threadpool(app.state.maintenance.close)
             await run_in_threadpool(runtime.close)
+            await run_in_threadpool(trimmer.close)
 
     app = FastAPIOffline(
         title="ckptstore",

@@ -30,7 +30,7 @@ __all__ = ["KINDS", "Metrics", "Op", "Outcome", "Task"]
 
 Op = Literal["save", "load"]
 Outcome = Literal["ok", "client_error", "server_error"]
-Task = Literal["retention", "reroot", "garbage", "parts"]
+Task = Literal["retention", "archive", "reroot", "garbage", "parts"]
 CachePath = Literal["save", "load"]
 # the kinds of request of each operation (api/instrument.py's OPERATIONS)
 KINDS: dict[Op, tuple[str, ...]] = {

@@ -8,8 +8,10 @@ import ctypes
 import gc
 import logging
 import os
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ckptstore_core import planes
 from ckptstore_service.budget import Budget
@@ -53,6 +55,24 @@ def keep_freed_memory(mmap_below: int = 64 << 20, trim_above: int = 256 << 20) -
     mapped = bool(mallopt(_M_MMAP_THRESHOLD, mmap_below))
     trimmed = bool(mallopt(_M_TRIM_THRESHOLD, trim_above))
     return mapped and trimmed
+
+
+def replica_name(data_dir: Path) -> str:
+    """This replica's name, kept in its data folder (made at its first start): the holder
+    of its run locks, so that a replica restarted after a crash releases at once the locks
+    it died holding (:meth:`Catalog.release_own_locks`) rather than after their lease. Two
+    live replicas must not share a data folder (they would take each other's locks)."""
+    path = data_dir / "replica-id"
+    try:
+        name = path.read_text().strip()
+    except FileNotFoundError:
+        name = ""
+    if not name:
+        name = uuid.uuid4().hex
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(name + "\n")
+        os.replace(tmp, path)
+    return name
 
 
 @dataclass
@@ -100,13 +120,20 @@ class Runtime:
         """Open every part; the saves, loads and cache count into ``metrics`` (default: a
         registry of its own)."""
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        catalog = Catalog(settings.resolved_database_url())
+        catalog = Catalog(
+            settings.resolved_database_url(),
+            holder=replica_name(settings.data_dir),
+            lease_s=settings.lock_lease_s,
+        )
         if settings.auto_migrate:
             catalog.upgrade()
         elif catalog.revision() is None:
             raise RuntimeError(
                 "the database has no schema: run `ckptstore-service db upgrade` first"
             )
+        released = catalog.release_own_locks()
+        if released:
+            log.info("released %d run lock(s) this replica held when it stopped", released)
         store = open_blob_store(
             settings.resolved_blob_url(),
             s3_endpoint_url=settings.s3_endpoint_url,

@@ -105,6 +105,13 @@ class Settings(BaseSettings):
     max_chain_depth: int = Field(
         default=10, ge=0, description="Most deltas a chunk may sit on before it is stored whole."
     )
+    lossy_max_chain_depth: int = Field(
+        default=50,
+        ge=0,
+        description="Most links a lossy chunk may sit on before a lossy save stores it whole "
+        "and exact (docs/lossy.md): a lossy link decodes ~5x faster than a lossless delta, "
+        "and each cut costs a full copy of the weights and moments.",
+    )
     reroot_depth: int = Field(
         default=8,
         ge=0,
@@ -173,6 +180,27 @@ class Settings(BaseSettings):
     upload_rate_window_s: float = Field(
         default=60.0, gt=0, description="The window the minimum upload rate is averaged over."
     )
+    max_uploads_per_client: int = Field(
+        default=0,
+        ge=0,
+        description="Most upload slots one client holds at once (its token, or its address "
+        "when tokens are off); more is a 503 too_many_uploads with Retry-After, which the "
+        "client retries. 0: half of CKPTSTORE_MAX_CONCURRENT_UPLOADS.",
+    )
+    lock_lease_s: float = Field(
+        default=15.0,
+        ge=1,
+        description="PostgreSQL: the lease of a run lock, renewed every third of it by its "
+        "holder. A replica that dies (or cannot reach the database) holding a lock blocks "
+        "it this long at most; a writer whose lease expired and was taken over has its "
+        "commit refused (503 lock_lost).",
+    )
+    memory_trim_interval_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="How often the service gives memory that requests freed back to the OS "
+        "(glibc malloc_trim, when its arenas hold 64 MiB free or more); 0: never.",
+    )
     workers: int = Field(default=0, ge=0, description="Codec threads; 0 = number of CPUs.")
     host: str = Field(
         default="127.0.0.1",
@@ -206,6 +234,10 @@ class Settings(BaseSettings):
             self.retention_lossy_after,
         )
         return policy if policy.has_rules or policy.archives else None
+
+    def uploads_per_client(self) -> int:
+        """The most upload slots one client may hold (CKPTSTORE_MAX_UPLOADS_PER_CLIENT)."""
+        return self.max_uploads_per_client or max(1, self.max_concurrent_uploads // 2)
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'catalog.sqlite3').resolve()}"

@@ -1,23 +1,37 @@
 """Slow and silent clients against a real service: a body that stalls or crawls is cut with
 ``408 request_timeout`` and frees the run's lock and its upload slot; a client that sends
-only its request's headers holds no slot (issue 21: "slow clients starve everyone")."""
+only its request's headers holds no slot, one that sends only its body's header holds no
+lock, and one client holds at most its share of the slots (issue 21: "slow clients starve
+everyone")."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
+import httpx
 import torch
 
 from ckptstore import CheckpointClient
-from support.bodies import assert_nothing_stored, partial_upload, read_response, valid_body
+from support.bodies import (
+    assert_error,
+    assert_nothing_stored,
+    partial_upload,
+    read_response,
+    uploading,
+    valid_body,
+    wait_consumed,
+)
 from support.serviceproc import Service
+from support.waiting import wait_until
 
 LIMITS = {
     "CKPTSTORE_UPLOAD_IDLE_TIMEOUT_S": "1.5",
     "CKPTSTORE_UPLOAD_MIN_RATE_BYTES_S": "1000",
     "CKPTSTORE_UPLOAD_RATE_WINDOW_S": "1",
     "CKPTSTORE_MAX_CONCURRENT_UPLOADS": "2",
+    "CKPTSTORE_MAX_UPLOADS_PER_CLIENT": "2",  # the tests' clients share one address
 }
 
 
@@ -107,3 +121,73 @@ def test_a_silent_upload_is_cut_after_the_idle_timeout(
     finally:
         sock.close()
     assert status == 408 and "no byte for 1.5 s" in answer["error"]["message"], answer  # type: ignore[index]
+
+
+def test_a_client_silent_after_its_body_header_blocks_no_save_to_its_run(
+    make_service: Callable[..., Service],
+) -> None:
+    """The run's lock is taken once tensor bytes arrive, not once the header is read: a
+    valid header and then nothing held the run's lock until the idle timeout (150 s were
+    tried before there was one). Here the idle timeout is 30 s, and the save must not wait."""
+    svc = make_service({**LIMITS, "CKPTSTORE_UPLOAD_IDLE_TIMEOUT_S": "30"})
+    prefix, data = valid_body(seed=5)
+    sock = partial_upload(svc.url, "quiet", 1, prefix, len(prefix) + len(data), timeout=20)
+    try:
+        wait_consumed(sock)  # the service read the header
+        with CheckpointClient(svc.url, retries=0) as client:
+            t0 = time.perf_counter()
+            assert client.save("quiet", 2, {"w": torch.arange(16.0)}).step == 2
+            assert time.perf_counter() - t0 < 10.0
+        assert uploading(svc) == []  # the silent one began no upload: no writing row
+    finally:
+        sock.close()
+    with CheckpointClient(svc.url) as client:
+        assert [c.step for c in client.list("quiet")] == [2]
+
+
+def test_one_client_holds_at_most_its_share_of_the_upload_slots(
+    make_service: Callable[..., Service],
+) -> None:
+    """CKPTSTORE_MAX_UPLOADS_PER_CLIENT=2 (of 8 slots): a third upload of the same client
+    (the same address, tokens being off) is a 503 too_many_uploads with Retry-After, which
+    the client retries until one of its uploads is done."""
+    svc = make_service(
+        {
+            **LIMITS,
+            "CKPTSTORE_UPLOAD_IDLE_TIMEOUT_S": "30",
+            "CKPTSTORE_MAX_CONCURRENT_UPLOADS": "8",
+            "CKPTSTORE_MAX_UPLOADS_PER_CLIENT": "2",
+        }
+    )
+    prefix, data = valid_body(seed=6)
+    total = len(prefix) + len(data)
+    held = [
+        partial_upload(svc.url, f"hog-{i}", 1, prefix + data[:8], total, timeout=20)
+        for i in range(2)
+    ]
+    try:
+        wait_until(lambda: sorted(uploading(svc)) == ["hog-0", "hog-1"], what="2 uploads")
+        refused = httpx.post(
+            f"{svc.url}/v1/runs/third/checkpoints/1", content=prefix + data, timeout=30
+        )
+        assert_error(refused, 503, "too_many_uploads")
+        assert refused.headers["retry-after"] == "1"
+        assert "CKPTSTORE_MAX_UPLOADS_PER_CLIENT" in refused.json()["error"]["message"]
+
+        saved = threading.Event()
+
+        def save() -> None:
+            with CheckpointClient(svc.url, retries=8, backoff=0.2) as client:
+                client.save("third", 1, {"w": torch.arange(16.0)})
+            saved.set()
+
+        saver = threading.Thread(target=save)
+        saver.start()
+        assert not saved.wait(1.0)  # refused and retried while the client holds its share
+    finally:
+        for sock in held:
+            sock.close()
+    assert saved.wait(30)
+    saver.join()
+    with CheckpointClient(svc.url) as client:
+        assert torch.equal(client.load("third")["w"], torch.arange(16.0))

@@ -1,9 +1,8 @@
-"""The run-lock contract on each backend (PostgreSQL advisory locks, flock, thread locks),
-what each backend adds to it, and which one a catalog picks."""
+"""The run-lock contract on each backend (PostgreSQL leases, flock, thread locks), what each
+backend adds to it, and which one a catalog picks. Fencing: tests/catalog/test_fencing.py."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,30 +10,28 @@ import pytest
 from lock_contract import REROOT, RUN, RunLocksContract, free
 
 from ckptstore_service.catalog import Catalog
-from ckptstore_service.catalog.locks import (
-    AdvisoryLocks,
-    FileLocks,
-    RunLocks,
-    ThreadLocks,
-    advisory_key,
-)
+from ckptstore_service.catalog.db import Database
+from ckptstore_service.catalog.locks import FileLocks, LeaseLocks, RunLocks, ThreadLocks
+
+LEASE_S = 2.0  # short: a holder that dies releases its locks this long after
 
 
 @pytest.mark.postgres
-class TestAdvisoryLocks(RunLocksContract):
+class TestLeaseLocks(RunLocksContract):
     @pytest.fixture
     def url(self, pg_url: str) -> str:
+        Catalog(pg_url).upgrade()
         return pg_url
 
     @pytest.fixture
     def locks(self, url: str) -> Iterator[RunLocks]:
-        locks = AdvisoryLocks(url)
+        locks = LeaseLocks(Database(url), None, LEASE_S)
         yield locks
         locks.close()
 
     @pytest.fixture
     def other(self, url: str) -> Iterator[RunLocks]:
-        other = AdvisoryLocks(url)
+        other = LeaseLocks(Database(url), None, LEASE_S)
         yield other
         other.close()
 
@@ -43,7 +40,10 @@ class TestAdvisoryLocks(RunLocksContract):
         self._url = url
 
     def constructor(self) -> str:
-        return f"AdvisoryLocks({self._url!r})"
+        return (
+            "LeaseLocks(__import__('ckptstore_service.catalog.db').catalog.db"
+            f".Database({self._url!r}), None, {LEASE_S})"
+        )
 
 
 class TestFileLocks(RunLocksContract):
@@ -68,17 +68,6 @@ class TestThreadLocks(RunLocksContract):
     @pytest.fixture
     def locks(self) -> RunLocks:
         return ThreadLocks()
-
-
-def test_a_run_lock_keeps_its_advisory_key() -> None:
-    """Replicas of the version before lock purposes took this key for a run's lock: both
-    versions, side by side during an upgrade, still serialize a run's saves."""
-    for run in ("r", "shared", "a" * 128):
-        before = int.from_bytes(
-            hashlib.blake2b(run.encode(), digest_size=8).digest(), "big", signed=True
-        )
-        assert advisory_key(RUN, run) == before
-        assert advisory_key(REROOT, run) != before
 
 
 def test_file_locks_lie_beside_the_database(tmp_path: Path) -> None:
@@ -139,7 +128,7 @@ def test_file_locks_refuse_a_name_that_is_no_file_name(tmp_path: Path, run: str)
         ("sqlite:///{tmp}/catalog.sqlite3", FileLocks),
         ("sqlite://", ThreadLocks),
         ("sqlite:///:memory:", ThreadLocks),
-        pytest.param("postgres", AdvisoryLocks, marks=pytest.mark.postgres),
+        pytest.param("postgres", LeaseLocks, marks=pytest.mark.postgres),
     ],
 )
 def test_a_catalog_picks_the_locks_of_its_database(
@@ -150,6 +139,8 @@ def test_a_catalog_picks_the_locks_of_its_database(
     catalog = Catalog(url.format(tmp=tmp_path))
     try:
         assert isinstance(catalog._locks, kind)
+        if kind is not ThreadLocks:
+            catalog.upgrade()  # their leases are rows
         # the facade's two locks are the two purposes of one run
         with catalog.run_lock("r") as held:
             assert held

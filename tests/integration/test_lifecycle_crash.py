@@ -58,9 +58,10 @@ def test_sigkill_during_collection_loses_nothing(
     make_service: Callable[..., Service], tmp_path: Path, states: list[dict[str, Any]]
 ) -> None:
     """Deletes (the middle of a chain, a fork's source, a whole run) leave their blobs on the
-    garbage table; the collection deletes the first one and is killed before it drops its
-    row. After a restart that row's blob is found gone, every other garbage blob goes, and
-    every remaining checkpoint (the fork's included) loads exactly."""
+    garbage table; the collection deletes them and is killed before it drops their rows (a
+    trigger refuses the drops: the window between a blob's delete and its row's). After a
+    restart those rows' blobs are found gone, and every remaining checkpoint (the fork's
+    included) loads exactly."""
     data = tmp_path / "data"
     # the deletes' blobs are due 5 s after them, for the sweep (every second) to collect
     env = {**ENV, "CKPTSTORE_GARBAGE_GRACE_S": "5", "CKPTSTORE_SWEEP_INTERVAL_S": "1"}
@@ -73,18 +74,19 @@ def test_sigkill_during_collection_loses_nothing(
     client.fork("g", 5, "ft")
     client.save("ft", 6, states[7])
     db = data / "catalog.sqlite3"
-    with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as writer:
+    with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as con:
         client.delete("g", 2)  # the middle of a chain: step 3 re-based
         client.delete("g", 5)  # the fork's source: ft's chunks re-based into blobs of its own
         client.delete_run("h")
-        writer.execute("BEGIN IMMEDIATE")  # the catalog's writers wait: the collector's too
+        con.execute(
+            "CREATE TRIGGER held BEFORE DELETE ON garbage BEGIN SELECT RAISE(ABORT, 'held'); END"
+        )
         doomed = garbage_blobs(db)
         assert len(doomed) >= 7 and doomed <= set(blob_files(data))  # none due yet
-        wait_until(lambda: doomed - set(blob_files(data)), 30, "the collector deleted a blob")
+        wait_until(lambda: not doomed & set(blob_files(data)), 30, "the collector deleted all")
         svc.kill()
-        writer.execute("ROLLBACK")
-    gone = doomed - set(blob_files(data))
-    assert len(gone) == 1 and garbage_blobs(db) == doomed  # killed before the row's drop
+        con.execute("DROP TRIGGER held")
+    assert garbage_blobs(db) == doomed  # killed before the rows' drop
 
     svc.start()
     wait_until(lambda: not garbage_blobs(db), 30, "the start-up sweep collected the garbage")

@@ -185,8 +185,9 @@ def test_the_service_default_and_the_cli(
     assert "P" not in cli("ls", "d").split("\n", 1)[1]
     assert "pinned" in cli("pin", "d@6")
     table = cli("ls", "d").splitlines()
-    assert table[0].split()[-1] == "pin"
-    assert [line.split()[0] for line in table[1:] if line.split()[-1] == "P"] == ["6"]
+    assert table[0].split()[-2:] == ["pin", "lossy"]
+    assert [line.split()[0] for line in table[1:] if line.split()[-2] == "P"] == ["6"]
+    assert {line.split()[-1] for line in table[1:]} == {"-"}  # every one bit-exact
     assert "keep_every=1" in cli("retention", "d")  # shown, not changed
     out = cli("retention", "d", "--clear")  # back to the default: the newest 2, and 6
     assert "keep_last=2" in out

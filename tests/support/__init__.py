@@ -9,7 +9,8 @@
 - ``support.waiting``: ``wait_until``, ``eventually``, ``poll``: waits on an observable
   condition, never a fixed sleep.
 - ``support.serviceproc``: ``Service``, the real service in a child process on a free port;
-  ``wait_idle`` (no background maintenance); ``free_port``.
+  ``wait_idle`` (no background maintenance); ``maintenance_runs`` (its background passes,
+  by task and outcome, from /metrics); ``free_port``.
 - ``support.pg``: a throwaway database on the real PostgreSQL server.
 - ``support.s3server``: moto's S3 server on a free port, dummy credentials, and
   ``s3_store`` (the store a service's ``CKPTSTORE_*`` S3 settings name).

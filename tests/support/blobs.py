@@ -6,10 +6,14 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+from sqlalchemy import create_engine, text
+
 from ckptstore import CheckpointClient
 from support.serviceproc import Service, wait_idle
 
-__all__ = ["blob_files", "catalog_blobs", "check_store", "garbage_blobs"]
+__all__ = ["blob_files", "catalog_blobs", "check_store", "garbage_blobs", "named_blobs"]
+
+NAMED_BLOBS = "SELECT blob_key FROM checkpoints UNION SELECT blob_key FROM parts"
 
 
 def blob_files(data_dir: Path) -> dict[str, int]:
@@ -26,8 +30,18 @@ def blob_files(data_dir: Path) -> dict[str, int]:
 def catalog_blobs(db_file: Path) -> set[str]:
     """The blobs that rows of the SQLite catalog ``db_file`` name: checkpoints' and parts'."""
     with sqlite3.connect(db_file) as db:
-        rows = db.execute("SELECT blob_key FROM checkpoints UNION SELECT blob_key FROM parts")
-        return {k for (k,) in rows if k}
+        return {k for (k,) in db.execute(NAMED_BLOBS) if k}
+
+
+def named_blobs(database_url: str) -> set[str]:
+    """The blobs that rows of the catalog at ``database_url`` (PostgreSQL, say) name:
+    checkpoints' and parts'."""
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as db:
+            return {k for (k,) in db.execute(text(NAMED_BLOBS)) if k}
+    finally:
+        engine.dispose()
 
 
 def garbage_blobs(db_file: Path) -> set[str]:

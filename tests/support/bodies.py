@@ -102,14 +102,16 @@ def framed(header: object, data: bytes = b"", length: int | None = None) -> byte
     return struct.pack("<Q", len(text) if length is None else length) + text + data
 
 
-def client_body(state: object) -> tuple[bytes, Header]:
-    """The exact bytes ``CheckpointClient.save`` streams for ``state``, and their header."""
+def client_body(state: object, metadata: dict[str, str] | None = None) -> tuple[bytes, Header]:
+    """The exact bytes ``CheckpointClient.save`` streams for ``state``, and their header;
+    ``metadata``: more keys of its ``__metadata__`` (``ckptstore.lossy``, say)."""
     from ckptstore.state import dtype_to_wire, flatten, tensor_bytes, upload_order  # torch
 
     flat = flatten(state)
     ordered = upload_order(flat.tensors)
     specs = [(n, dtype_to_wire(t.dtype), tuple(t.shape)) for n, t in ordered]
-    prefix, header = encode_header(specs, {"format": FORMAT, "skeleton": flat.skeleton})
+    meta = {"format": FORMAT, "skeleton": flat.skeleton, **(metadata or {})}
+    prefix, header = encode_header(specs, meta)
     return prefix + b"".join(bytes(tensor_bytes(t)) for _, t in ordered), header
 
 

@@ -12,7 +12,7 @@ import httpx
 
 from support.waiting import poll, wait_until
 
-__all__ = ["Service", "free_port", "wait_idle"]
+__all__ = ["Service", "free_port", "maintenance_runs", "wait_idle"]
 
 
 def free_port() -> int:
@@ -117,3 +117,16 @@ def wait_idle(url: str, timeout: float = 60.0) -> None:
         return not httpx.get(f"{url}/healthz", timeout=30).json()["maintenance"]
 
     wait_until(idle, timeout, "the service's background maintenance finished", interval=0.02)
+
+
+def maintenance_runs(url: str, outcome: str, task: str | None = None) -> float:
+    """``ckptstore_maintenance_runs_total`` of the service at ``url`` with ``outcome``
+    (``ok``, ``error``), of one ``task`` (``retention``, ``reroot``, ``garbage``...) or
+    summed over all."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if not line.startswith("ckptstore_maintenance_runs_total{"):
+            continue
+        if f'outcome="{outcome}"' in line and (task is None or f'task="{task}"' in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

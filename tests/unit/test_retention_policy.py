@@ -99,7 +99,10 @@ def test_lossy_policy_json_round_trip_and_refusals() -> None:
     policy = RetentionPolicy(keep_last=4, lossy_after=2, lossy=params)
     assert RetentionPolicy.from_json(policy.to_json()) == policy
     assert policy.to_json()["lossy"] == params.to_json()
-    assert str(policy) == f"keep_last=4, lossy_after=2 ({params})"
+    assert str(policy) == (
+        "keep_last=4, lossy_after=2 (weight_prune=0.5, moment_prune=0.7, bits=3, "
+        "exact_moments=True)"
+    )
     # a policy stored before lossy_after existed reads as it was
     old = {"keep_last": 3, "keep_every": None, "keep_best": None}
     assert RetentionPolicy.from_json(old) == RetentionPolicy(keep_last=3)

@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
-from ckptstore_core.errors import InvalidRequest, InvalidStream, RequestTimeout
+from ckptstore_core.errors import InvalidRequest, InvalidStream, RequestTimeout, TooManyUploads
 from ckptstore_service.handoff import unbatched
 
 __all__ = [
     "BodyLimits",
     "BodyPipe",
     "Uploads",
+    "client_of",
     "consume_body",
     "content_length_of",
     "drain",
@@ -50,12 +51,50 @@ class BodyLimits:
     window_s: float
 
 
-@dataclass(frozen=True)
+@dataclass
 class Uploads:
-    """The uploads' worker slots (apart from the pool other routes share) and limits."""
+    """The uploads' worker slots (apart from the pool other routes share) and limits: at
+    most ``per_client`` of them (0: no cap) taken or waited for by one client (its token's
+    name, or its address when it sends none), so one client cannot hold them all. Used on
+    the event loop only."""
 
     limiter: anyio.CapacityLimiter
     limits: BodyLimits
+    per_client: int = 0
+    _by_client: dict[str, int] = field(default_factory=dict)
+
+    def take(self, client: str) -> None:
+        """Count one more upload of ``client`` (give it back with :meth:`give_back`);
+        TooManyUploads (503, with Retry-After) if it holds its share already."""
+        n = self._by_client.get(client, 0)
+        if self.per_client and n >= self.per_client:
+            raise TooManyUploads(
+                f"{client} has {n} uploads in progress, its share of this replica's "
+                f"{self.limiter.total_tokens:g} upload slots "
+                "(CKPTSTORE_MAX_UPLOADS_PER_CLIENT): retry once one is done"
+            )
+        self._by_client[client] = n + 1
+
+    def give_back(self, client: str) -> None:
+        left = self._by_client[client] - 1
+        if left:
+            self._by_client[client] = left
+        else:
+            del self._by_client[client]
+
+    def in_use(self, client: str) -> int:
+        """The slots ``client`` holds or waits for now."""
+        return self._by_client.get(client, 0)
+
+
+def client_of(request: Request) -> str:
+    """Who an upload counts against: its token's name, else its address."""
+    principal = getattr(request.state, "principal", None)  # set by api.auth's middleware
+    name = getattr(principal, "name", None)
+    if name:
+        return f"token {name!r}"
+    peer = request.client
+    return f"client {peer.host if peer else 'unknown'}"
 
 
 class BodyPipe:
@@ -182,11 +221,33 @@ async def consume_body(
     while the event loop streams the request body into it; returns what it returns, or
     raises what it raised once a little more of a rejected body is read (see
     :func:`drain`). The slot is taken once the body's first bytes arrived: a client that
-    sends only its request's headers holds none (and is cut after the idle timeout)."""
+    sends only its request's headers holds none (and is cut after the idle timeout); a
+    client holding its share of the slots already is refused then (TooManyUploads)."""
     content_length = content_length_of(request)
     ended: list[bool] = []
     body = receive_body(request, ended, uploads.limits)
     first = await _first_piece(body, content_length)
+    client = client_of(request)
+    try:
+        uploads.take(client)
+    except TooManyUploads:
+        await drain(request)
+        raise
+    try:
+        return await _consume(request, uploads, consume, content_length, ended, body, first)
+    finally:
+        uploads.give_back(client)
+
+
+async def _consume(
+    request: Request,
+    uploads: Uploads,
+    consume: Callable[[Iterable[bytes], int | None], T],
+    content_length: int | None,
+    ended: list[bool],
+    body: AsyncIterator[bytes],
+    first: bytes | None,
+) -> T:
     pipe = BodyPipe()
     outcome: list[T] = []
     failure: list[BaseException] = []

@@ -266,6 +266,8 @@ def _checkpoint_row(c: CheckpointRecord) -> str:
     keyframe = (
         '<span class="key">keyframe</span>' if c.keyframe else '<span class="dim">delta</span>'
     )
+    if c.lossy is not None:  # never silent: docs/lossy.md
+        keyframe += f' <span class="lossy" title="{_e(json.dumps(c.lossy))}">lossy</span>'
     return (
         f'<tr id="step-{c.step}" data-step="{c.step}">'
         f'<td class="num">{c.step}</td><td class="num">{parent}</td><td>{keyframe}</td>'

@@ -13,6 +13,7 @@ upload. :class:`Catalog` is the one object callers use; behind it, one module pe
 * :mod:`.parts`: checkpoints written in parts by several writers, committed once
 * :mod:`.lifecycle`: deleting checkpoints (after their re-base) and runs
 * :mod:`.retention`: pins and runs' retention policies
+* :mod:`.archive`: the commit that moves a checkpoint to the lossy tier
 * :mod:`.tokens`: bearer tokens, stored hashed (``Catalog.tokens``)
 """
 
@@ -22,12 +23,14 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import Engine
 
 from ckptstore_core.records import RunInfo
 from ckptstore_core.retention import RetentionPolicy
 from ckptstore_service.catalog import (
+    archive,
     checkpoints,
     garbage,
     graph,
@@ -38,7 +41,7 @@ from ckptstore_service.catalog import (
 )
 from ckptstore_service.catalog.db import Database, shown_url
 from ckptstore_service.catalog.lifecycle import DeleteChanges, PartBlob
-from ckptstore_service.catalog.locks import Purpose, open_run_locks
+from ckptstore_service.catalog.locks import DEFAULT_LEASE_S, Lease, Purpose, open_run_locks
 from ckptstore_service.catalog.parts import PartRecord
 from ckptstore_service.catalog.records import (
     CheckpointRecord,
@@ -57,6 +60,7 @@ __all__ = [
     "ChunkInfo",
     "ChunkUpdate",
     "DeleteChanges",
+    "Lease",
     "NewChunk",
     "PartBlob",
     "PartRecord",
@@ -67,11 +71,18 @@ __all__ = [
 
 
 class Catalog:
-    """The catalog of one database URL: open once per process, share across threads."""
+    """The catalog of one database URL: open once per process, share across threads.
 
-    def __init__(self, url: str) -> None:
+    ``holder`` names this process's run locks (default: a random name; a replica passes a
+    name kept in its data folder, so that it releases at start-up what it held when it
+    died: :meth:`release_own_locks`); ``lease_s``: PostgreSQL's lock lease
+    (:class:`~.locks.LeaseLocks`)."""
+
+    def __init__(
+        self, url: str, *, holder: str | None = None, lease_s: float = DEFAULT_LEASE_S
+    ) -> None:
         self._db = Database(url)
-        self._locks = open_run_locks(self._db)
+        self._locks = open_run_locks(self._db, holder, lease_s)
         #: bearer tokens (:mod:`.tokens`)
         self.tokens = TokenStore(self._db)
 
@@ -109,21 +120,29 @@ class Catalog:
 
     # -- locks -------------------------------------------------------------------------------
 
-    def run_lock(self, run: str, *, blocking: bool = True) -> AbstractContextManager[bool]:
+    def run_lock(self, run: str, *, blocking: bool = True) -> AbstractContextManager[Lease | None]:
         """Serialize writers of ``run`` (threads, processes, replicas): a save holds it for
-        its whole upload, a re-root for its commit. Yields whether it is held; with
-        ``blocking=False``, False at once while another writer holds it
-        (:class:`~.locks.RunLocks` states the contract)."""
+        its whole upload, a re-root for its commit. Yields its :class:`~.locks.Lease` once
+        held, which the commit under it checks (``fence=``); with ``blocking=False``, None
+        at once while another writer holds it (:class:`~.locks.RunLocks` states the
+        contract)."""
         return self._locks.hold(Purpose.RUN, run, blocking=blocking)
 
-    def reroot_lock(self, run: str, *, blocking: bool = True) -> AbstractContextManager[bool]:
+    def release_own_locks(self) -> int:
+        """At start-up, before anything is locked: drop the locks that this holder held when
+        it died (their uploads then are collectable at once); how many."""
+        return self._locks.release_mine()
+
+    def reroot_lock(
+        self, run: str, *, blocking: bool = True
+    ) -> AbstractContextManager[Lease | None]:
         """One re-root of ``run`` at a time, and no collection of its garbage meanwhile;
         independent of :meth:`run_lock` (saves go on during a re-root)."""
         return self._locks.hold(Purpose.REROOT, run, blocking=blocking)
 
     def part_lock(
         self, run: str, step: int, part: str, *, blocking: bool = True
-    ) -> AbstractContextManager[bool]:
+    ) -> AbstractContextManager[Lease | None]:
         """Held by the upload of one part (:mod:`.parts`), across replicas: a ``writing``
         part whose lock is free has no writer."""
         return self._locks.hold(Purpose.PART, f"{run}#{step}#{part}", blocking=blocking)
@@ -151,7 +170,10 @@ class Catalog:
         tensors: Sequence[TensorInfo],
         chunks: Sequence[NewChunk],
         sibling_bases: dict[int, int],
+        fence: Lease | None = None,
     ) -> None:
+        """Make the part ``done`` (its rows in); ``fence``: the part lock's lease, checked
+        in the same transaction."""
         parts.finish_part(
             self._db,
             part,
@@ -160,6 +182,7 @@ class Catalog:
             tensors=tensors,
             chunks=chunks,
             sibling_bases=sibling_bases,
+            fence=fence,
         )
 
     def part_tensors(self, part: PartRecord) -> list[TensorInfo]:
@@ -178,7 +201,10 @@ class Catalog:
         keyframe: bool,
         since_keyframe: int,
         metadata: dict[str, str],
+        fence: Lease | None = None,
     ) -> list[PartRecord]:
+        """Commit the checkpoint of parts ``names``; ``fence``: the run lock's lease,
+        checked in the commit's transaction."""
         return parts.commit_parts(
             self._db,
             run,
@@ -188,6 +214,7 @@ class Catalog:
             keyframe=keyframe,
             since_keyframe=since_keyframe,
             metadata=metadata,
+            fence=fence,
         )
 
     def committed_parts(self, checkpoint_id: int) -> list[str]:
@@ -256,13 +283,26 @@ class Catalog:
         tensors: Sequence[TensorInfo],
         chunks: Sequence[NewChunk],
         sibling_bases: Mapping[int, int] | None = None,
+        lossy: Mapping[str, Any] | None = None,
+        fence: Lease | None = None,
     ) -> None:
         """Make the checkpoint visible: one transaction, after all its bytes are durable
-        (:func:`.uploads.commit`)."""
+        (:func:`.uploads.commit`). ``lossy``: the parameters its lossy chunks were encoded
+        with (listed with it), None for a bit-exact checkpoint. ``fence``: the run lock's
+        lease, checked in that transaction (LockLost, nothing committed, if it was lost)."""
         figures = uploads.Figures(
-            parent_id, keyframe, chain_depth, since_keyframe, raw_bytes, stored_bytes, metadata
+            parent_id,
+            keyframe,
+            chain_depth,
+            since_keyframe,
+            raw_bytes,
+            stored_bytes,
+            metadata,
+            lossy,
         )
-        uploads.commit(self._db, checkpoint_id, figures, tensors, chunks, sibling_bases or {})
+        uploads.commit(
+            self._db, checkpoint_id, figures, tensors, chunks, sibling_bases or {}, fence
+        )
 
     def abort_upload(self, checkpoint_id: int) -> None:
         uploads.abort(self._db, checkpoint_id)
@@ -379,6 +419,14 @@ class Catalog:
         states the contract)."""
         changes = garbage.RerootChanges(chunks, checkpoints, written, retired, not_before)
         garbage.commit_reroot(self._db, run, changes)
+
+    # -- archival to the lossy tier (:mod:`.archive`) -----------------------------------------
+
+    def commit_archive(self, run: str, changes: archive.ArchiveChanges) -> None:
+        """Make an archival visible, in one transaction: the rewrite's rows, the lossy
+        checkpoint's new checksums and its lossy parameters (:func:`.archive.commit_archive`
+        states the contract)."""
+        archive.commit_archive(self._db, run, changes)
 
     def warm_up(self) -> None:
         """Run the load path's queries once on ids that do not exist: SQLAlchemy compiles a

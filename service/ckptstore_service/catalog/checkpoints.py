@@ -76,6 +76,7 @@ def _info(row: Any) -> CheckpointRecord:
         parts=ck.n_parts,
         metadata=user_metadata(stored),
         pinned=ck.pinned,
+        lossy=None if ck.lossy_json is None else json.loads(ck.lossy_json),
     )
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, make_url, text
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptstore_core.errors import StorageUnavailable
@@ -40,14 +41,22 @@ def utc(value: datetime) -> datetime:
 
 @contextlib.contextmanager
 def translate_errors() -> Iterator[None]:
-    """Turn a lost or refused database connection into StorageUnavailable (a 503); any
-    other database error (constraint violations included) passes unchanged."""
+    """Turn every database failure that a retry can fix into StorageUnavailable (a 503,
+    which clients retry): a lost or refused connection, a server out of connection slots
+    ("too many clients already"), starting up or shutting down, a pool with no connection
+    to lend in time, a serialization failure or deadlock, a SQLite database locked past its
+    busy timeout. Any other database error (constraint violations included) passes
+    unchanged: a retry would fail the same way."""
     try:
         yield
     except IntegrityError:
         raise
+    except PoolTimeout as exc:
+        raise StorageUnavailable(
+            f"database unavailable: no connection free in the pool in time ({exc})"
+        ) from exc
     except DBAPIError as exc:
-        if exc.connection_invalidated or _is_connection_error(exc):
+        if exc.connection_invalidated or _is_transient(exc):
             raise StorageUnavailable(f"database unavailable: {exc.orig}") from exc
         raise
 
@@ -126,8 +135,32 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
-def _is_connection_error(exc: DBAPIError) -> bool:
+# SQLSTATE classes a retry can fix: 08 connection exception, 53 insufficient resources
+# (53300 too_many_connections), 57P operator intervention (shutdown, starting up), 40001
+# serialization failure, 40P01 deadlock
+_TRANSIENT_SQLSTATES = ("08", "53", "57P", "40001", "40P01")
+_TRANSIENT_TEXT = (
+    "connection refused",
+    "could not connect",
+    "connection failed",
+    "server closed",
+    "timeout",
+    "too many clients",
+    "too many connections",
+    "remaining connection slots",
+    "the database system is",  # starting up, shutting down, in recovery mode
+    "terminating connection",
+    "database is locked",  # SQLite, past its busy timeout
+)
+
+
+def _is_transient(exc: DBAPIError) -> bool:
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    if isinstance(sqlstate, str) and sqlstate.startswith(_TRANSIENT_SQLSTATES):
+        return True
+    if isinstance(exc, OperationalError) and type(exc.orig).__module__.startswith("psycopg"):
+        # psycopg's OperationalError: the server's operation, not the statement (a failed
+        # connection carries no SQLSTATE at all)
+        return True
     text_ = str(exc.orig).lower()
-    return any(
-        s in text_ for s in ("connection refused", "could not connect", "server closed", "timeout")
-    )
+    return any(s in text_ for s in _TRANSIENT_TEXT)

@@ -34,8 +34,9 @@ __all__ = [
 ]
 
 _CHUNKS = Base.metadata.tables[Chunk.__tablename__]
-# ChunkUpdate's fields: "id" names the row, a re-root sets the others
-_FIELDS = tuple(f.name for f in fields(ChunkUpdate))
+# ChunkUpdate's fields: "id" names the row, a re-root sets the others; "checksum" only
+# where it is given (an archival's lossy chunks)
+_FIELDS = tuple(f.name for f in fields(ChunkUpdate) if f.name != "checksum")
 
 
 def add_garbage(db: Database, run: str, keys: Iterable[str], not_before: datetime) -> list[int]:
@@ -125,6 +126,14 @@ def apply_rewrite(s: Session, run_id: int, changes: RerootChanges) -> None:
             .where(_CHUNKS.c.id == bindparam("b_id"))
             .values({f: bindparam(f"b_{f}") for f in _FIELDS if f != "id"}),
             [{f"b_{f}": getattr(u, f) for f in _FIELDS} for u in changes.chunks],
+        )
+    sums = [{"b_id": u.id, "b_checksum": u.checksum} for u in changes.chunks if u.checksum]
+    if sums:
+        s.execute(
+            update(_CHUNKS)
+            .where(_CHUNKS.c.id == bindparam("b_id"))
+            .values(checksum=bindparam("b_checksum")),
+            sums,
         )
     for ck in changes.checkpoints:
         s.execute(

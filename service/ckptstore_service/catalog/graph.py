@@ -44,6 +44,7 @@ def tensors(db: Database, checkpoint_id: int, *, part_id: int | None = None) -> 
             TensorRow.begin,
             TensorRow.nbytes,
             TensorRow.checksum,
+            TensorRow.sent_checksum,
         )
         .where(TensorRow.checkpoint_id == checkpoint_id)
         .order_by(TensorRow.idx)
@@ -53,8 +54,8 @@ def tensors(db: Database, checkpoint_id: int, *, part_id: int | None = None) -> 
     with db.session() as s:
         rows = s.execute(query).all()
     return [
-        TensorInfo(idx, name, dtype, tuple(json.loads(shape)), begin, nbytes, digest)
-        for idx, name, dtype, shape, begin, nbytes, digest in rows
+        TensorInfo(idx, name, dtype, tuple(json.loads(shape)), begin, nbytes, digest, sent)
+        for idx, name, dtype, shape, begin, nbytes, digest, sent in rows
     ]
 
 

@@ -26,7 +26,17 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["Base", "Checkpoint", "Chunk", "Garbage", "Part", "Run", "TensorRow", "Token"]
+__all__ = [
+    "Base",
+    "Checkpoint",
+    "Chunk",
+    "Garbage",
+    "Part",
+    "Run",
+    "RunLockRow",
+    "TensorRow",
+    "Token",
+]
 
 WRITING = "writing"
 COMMITTED = "committed"
@@ -199,3 +209,20 @@ class Token(Base):
     runs: Mapped[str | None] = mapped_column(String(1024), nullable=True)  # None: every run
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class RunLockRow(Base):
+    """A lock held (:mod:`ckptstore_service.catalog.locks`): one row while it is held, gone
+    once released. ``token`` is the fencing token of this holding (random, never reused in
+    practice), which the commit that the lock guards checks in its own transaction;
+    ``expires_at`` (PostgreSQL's leases) is when another holder may take it over unless
+    ``holder`` renews it first; NULL where the lock is an flock or a thread lock."""
+
+    __tablename__ = "run_locks"
+    __table_args__ = (Index("ix_run_locks_holder", "holder"),)
+
+    purpose: Mapped[str] = mapped_column(String(16), primary_key=True)
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    token: Mapped[int] = mapped_column(BigInteger)
+    holder: Mapped[str] = mapped_column(String(64))
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

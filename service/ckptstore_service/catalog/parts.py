@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 from ckptstore_core.errors import CheckpointExists, InvalidRequest
 from ckptstore_service.catalog.db import Database, utc
 from ckptstore_service.catalog.graph import tensors
+from ckptstore_service.catalog.locks import Lease, check_fence
 from ckptstore_service.catalog.models import (
     COMMITTED,
     DONE,
@@ -164,8 +165,10 @@ def finish_part(
     tensors: Sequence[TensorInfo],
     chunks: Sequence[NewChunk],
     sibling_bases: dict[int, int],
+    fence: Lease | None = None,
 ) -> None:
     """The part's rows and ``done``, in one transaction, once its blob is durable.
+    ``fence``: the part lock's lease, checked first (LockLost, changing nothing).
 
     CheckpointExists, changing nothing, if the checkpoint was committed (without this part)
     or abandoned meanwhile: its rows must not join a checkpoint that is visible. The part's
@@ -173,6 +176,8 @@ def finish_part(
     read FOR SHARE (PostgreSQL: a commit's update of it waits for this transaction).
     """
     with db.session() as s:
+        if fence is not None:
+            check_fence(s, fence)
         done = s.execute(
             update(Part)
             .where(Part.id == part.id, Part.status == WRITING)
@@ -311,12 +316,16 @@ def commit_parts(
     keyframe: bool,
     since_keyframe: int,
     metadata: dict[str, str],
+    fence: Lease | None = None,
 ) -> list[PartRecord]:
     """Make ``run/step`` visible, made of parts ``names`` in that order, in one transaction;
     returns the finished parts it does not name (the caller collects their blobs). The caller
-    holds the run's lock. InvalidRequest if a named part is missing or not finished, or if
-    two parts hold tensors of the same name."""
+    holds the run's lock, whose lease ``fence`` is checked first (LockLost, changing
+    nothing). InvalidRequest if a named part is missing or not finished, or if two parts
+    hold tensors of the same name."""
     with db.session() as s:
+        if fence is not None:
+            check_fence(s, fence)
         checkpoint_id = s.scalar(
             select(Checkpoint.id)
             .join(Run, Run.id == Checkpoint.run_id)

@@ -46,7 +46,14 @@ class TensorInfo:
     shape: tuple[int, ...]
     begin: int
     nbytes: int
-    checksum: bytes
+    checksum: bytes  # of the bytes it loads to
+    #: of the bytes it was sent as, where they differ (a lossy tensor); None: ``checksum``
+    sent_checksum: bytes | None = None
+
+    @property
+    def sent(self) -> bytes:
+        """The checksum of the tensor as it was sent: what a retry of its save must match."""
+        return self.checksum if self.sent_checksum is None else self.sent_checksum
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +85,10 @@ class ChunkInfo(NewChunk):
 class ChunkUpdate:
     """A re-root's change to a committed chunk: how it is stored from its commit on.
 
-    Only these fields change. The row keeps its id, its slice of its tensor, its raw length
-    and checksum: the base ids of later chunks that point at it stay valid.
+    Only these fields change. The row keeps its id, its slice of its tensor and its raw
+    length: the base ids of later chunks that point at it stay valid. Its checksum changes
+    only where its bytes do: ``checksum`` is set only by an archival to the lossy tier
+    (:mod:`ckptstore_service.maintenance.archive`: the reconstruction's); None keeps it.
     """
 
     id: int
@@ -88,6 +97,7 @@ class ChunkUpdate:
     depth: int
     blob_offset: int  # in its checkpoint's (new) blob
     stored_len: int
+    checksum: bytes | None = None
 
     @classmethod
     def of(cls, chunk: ChunkInfo) -> ChunkUpdate:

@@ -1,6 +1,7 @@
 """The upload protocol: :func:`begin` (a ``writing`` row) -> :func:`commit` | :func:`abort`.
 
-Call order, under the run's lock (:meth:`Catalog.run_lock`) for the whole upload:
+Call order, under the run's lock (:meth:`Catalog.run_lock`) for the whole upload (its lease
+is the commit's ``fence``):
 
 1. :func:`begin` records the upload before its first byte is written: the ``writing`` row
    names the blob, so a crash at any later point leaves bytes that the start-up collection
@@ -25,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from ckptstore_core.errors import CheckpointExists
 from ckptstore_service.catalog.db import Database, utc
+from ckptstore_service.catalog.locks import Lease, check_fence
 from ckptstore_service.catalog.models import (
     COMMITTED,
     WRITING,
@@ -55,11 +57,14 @@ class Figures:
     raw_bytes: int
     stored_bytes: int
     metadata: dict[str, str]
+    lossy: Mapping[str, Any] | None = None  # the lossy parameters; None: bit-exact
 
     def columns(self) -> dict[str, object]:
         """The checkpoint row's columns, as these figures set them."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "metadata"}
+        json_fields = ("metadata", "lossy")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in json_fields}
         out["metadata_json"] = json.dumps(self.metadata)
+        out["lossy_json"] = None if self.lossy is None else json.dumps(dict(self.lossy))
         return out
 
 
@@ -82,8 +87,13 @@ def commit(
     tensors: Sequence[TensorInfo],
     chunks: Sequence[NewChunk],
     sibling_bases: Mapping[int, int],
+    fence: Lease | None = None,
 ) -> None:
     """Make the checkpoint visible: one transaction, after all its bytes are durable.
+
+    ``fence`` is the run lock's lease: checked first in the transaction, which then holds
+    the lock's row until it ends, so a writer whose lock was lost (and taken by another)
+    gets LockLost and commits nothing (:func:`.locks.check_fence`).
 
     ``sibling_bases`` maps the position of a chunk in ``chunks`` to the position of its
     base when that base is a chunk of this same checkpoint (a bf16 copy predicted from its
@@ -92,6 +102,8 @@ def commit(
     """
     try:
         with db.session() as s:
+            if fence is not None:
+                check_fence(s, fence)
             insert_rows(s, checkpoint_id, 0, tensors, chunks, sibling_bases)
             s.execute(
                 update(Checkpoint)
@@ -128,6 +140,7 @@ def insert_rows(
             "begin": t.begin,
             "nbytes": t.nbytes,
             "checksum": t.checksum,
+            "sent_checksum": t.sent_checksum,
         }
         for t in tensors
     ]

@@ -128,5 +128,6 @@ def _commit_fork(
         metadata=source.stored_metadata,
         tensors=catalog.tensors(source.id),
         chunks=chunks,
+        lossy=source.lossy,  # it loads to the source's reconstruction
     )
     return catalog.get(new_run, source.step)

@@ -45,6 +45,7 @@ from pathlib import Path
 
 from ckptstore_core import codec
 from ckptstore_core.errors import RunNotFound
+from ckptstore_core.lossy import LOSSY
 from ckptstore_service.budget import Budget
 from ckptstore_service.catalog import Catalog, CheckpointRecord, ChunkInfo
 from ckptstore_service.chains import ChainDecoder, Piece
@@ -87,6 +88,8 @@ class RerootPolicy:
     bytes_in_flight: int  # raw bytes of the chains re-encoded at once
     new_blob_due_s: float  # how long the new blobs stay off the collector's list
     grace_s: float  # how long the replaced blobs stay for the loads that read them
+    # an archival's lossy chunks (:mod:`.archive`) get no deeper than this
+    lossy_max_depth: int = 50
 
     @classmethod
     def of(cls, settings: Settings, budget: Budget) -> RerootPolicy:
@@ -98,6 +101,7 @@ class RerootPolicy:
             # the time a crashed upload is given: no collector takes a blob meanwhile
             new_blob_due_s=settings.incomplete_upload_ttl_s,
             grace_s=settings.garbage_grace_s,
+            lossy_max_depth=settings.lossy_max_chain_depth,
         )
 
 
@@ -237,6 +241,7 @@ def reroot(
         not paths
         or _in_parts(paths, infos)
         or _in_other_runs(paths, infos)
+        or _through_lossy(paths, infos)
         or _too_deep(catalog, paths, target, policy.max_chain_depth)
     ):
         return None
@@ -311,6 +316,16 @@ def _in_other_runs(paths: list[list[ChunkInfo]], infos: list[CheckpointRecord]) 
     own = {i.id for i in infos}
     if any(c.checkpoint_id not in own for path in paths for c in path):
         log.info("not re-rooting %s: its chains rest on another run's (a fork)", infos[-1].run)
+        return True
+    return False
+
+
+def _through_lossy(paths: list[list[ChunkInfo]], infos: list[CheckpointRecord]) -> bool:
+    """Whether a chain to reverse holds a lossy link (an archived checkpoint's chunk,
+    :mod:`.archive`): reversing it would store that checkpoint's reconstruction losslessly,
+    undoing its archival. Such chains are left as they are, until the next keyframe."""
+    if any(c.codec == LOSSY for path in paths for c in path):
+        log.info("not re-rooting %s: its chains pass through lossy checkpoints", infos[-1].run)
         return True
     return False
 

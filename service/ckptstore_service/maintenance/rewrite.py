@@ -3,7 +3,9 @@
 
 Both change how some committed chunks are stored (codec, base, depth, place in a blob) and
 nothing else: a chunk row keeps its id, its slice of its tensor, its raw length and its
-checksum, so every base id that points at it stays valid. The steps, in order:
+checksum, so every base id that points at it stays valid. An archival to the lossy tier
+(:mod:`.archive`) is the one rewrite that changes a chunk's bytes: its lossy chunks carry
+their reconstruction's checksum (:attr:`Rewrite.checksum`). The steps, in order:
 
 1. Re-encode the chunks (:func:`encode_all`, in a thread pool, within a byte budget), each
    new encoding decoded back and checked against its chunk's checksum (:func:`checked`),
@@ -71,19 +73,24 @@ class Rewrite:
     base_id: int | None
     depth: int
     parts: tuple[Buffer, ...]
+    checksum: bytes | None = None  # its bytes' new checksum (a lossy chunk's); None: kept
 
 
-def checked(enc: codec.EncodedChunk, base: Piece | None, c: ChunkInfo) -> codec.EncodedChunk:
+def checked(
+    enc: codec.EncodedChunk, base: Piece | None, c: ChunkInfo, expected: bytes | None = None
+) -> codec.EncodedChunk:
     """``enc`` once it has decoded back to ``c``'s bytes (a ref: once its base's bytes are
-    ``c``'s)."""
+    ``c``'s); with ``expected``, to the bytes of that checksum instead (a lossy chunk's
+    reconstruction)."""
+    want = c.checksum if expected is None else expected
     if enc.codec == codec.REF:
-        if base is None or codec.checksum(base) != c.checksum:
+        if base is None or codec.checksum(base) != want:
             raise CorruptData(f"a ref written for chunk {c.id} does not decode to its bytes")
         return enc
     links: list[tuple[str, Buffer]] = [(enc.codec, enc.payload)]
     if base is not None:
         links.insert(0, (codec.RAW, base))
-    codec.decode_chain(links, c.itemsize, c.raw_len, c.checksum)
+    codec.decode_chain(links, c.itemsize, c.raw_len, want)
     return enc
 
 
@@ -94,6 +101,7 @@ class _Spooled:
     depth: int
     offset: int  # in its blob's spool file
     size: int
+    checksum: bytes | None
 
 
 class Spools:
@@ -115,7 +123,7 @@ class Spools:
         size = 0
         for part in r.parts:
             size += f.write(part)
-        self.chunks[r.chunk.id] = _Spooled(r.codec, r.base_id, r.depth, offset, size)
+        self.chunks[r.chunk.id] = _Spooled(r.codec, r.base_id, r.depth, offset, size, r.checksum)
 
     def read(self, blob: str, s: _Spooled) -> bytes:
         f = self.files[blob]
@@ -217,7 +225,13 @@ def rewrite_blob(
             else:
                 data = spools.read(blob, spooled)
                 row = ChunkUpdate(
-                    c.id, spooled.codec, spooled.base_id, spooled.depth, offset, spooled.size
+                    c.id,
+                    spooled.codec,
+                    spooled.base_id,
+                    spooled.depth,
+                    offset,
+                    spooled.size,
+                    spooled.checksum,
                 )
             new.rows[c.id] = row
             offset += len(data)

@@ -1,5 +1,5 @@
-"""The service's background work, in one thread: retention, re-roots and garbage
-collection."""
+"""The service's background work, in one thread: retention, archival to the lossy tier,
+re-roots and garbage collection."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from ckptstore_core.retention import RetentionPolicy
 from ckptstore_service.catalog import Catalog
+from ckptstore_service.maintenance.archive import apply_archival, runs_to_archive
 from ckptstore_service.maintenance.garbage import collect_garbage, collect_parts
 from ckptstore_service.maintenance.reroot import RerootPolicy, Stopped, reroot, reroot_pool
 from ckptstore_service.maintenance.retention import apply_retention
@@ -30,10 +31,12 @@ _MAX_PASSES = 8
 
 class Maintenance:
     """The background work, in one thread: a run's retention policy applied (deleting what
-    it does not keep), its re-root (if due) and the collection of its garbage, once it has
-    gone ``quiet_s`` without a save (a re-root then does not
-    compete with a burst of saves for the CPU); every ``period_s``, the garbage of every
-    run. A run whose re-root failed is not re-rooted again for ``retry_s``.
+    it does not keep, then moving what it says to the lossy tier: :mod:`.archive`), its
+    re-root (if due) and the collection of its garbage, once it has gone ``quiet_s``
+    without a save (a re-root then does not compete with a burst of saves for the CPU);
+    every ``period_s``, the garbage of every run, and a pass queued for each run with
+    checkpoints still to archive (a restart may have cut one short). A run whose re-root
+    failed is not re-rooted again for ``retry_s``.
 
     Starts at construction; :meth:`after_save` after each committed save (and
     :meth:`run_now` once a run's retention policy is set); :meth:`close`
@@ -129,6 +132,11 @@ class Maintenance:
             if run is None:
                 if not self._stop.is_set():
                     self._collect_garbage(None)
+                    for pending in (
+                        self._guarded("archive", runs_to_archive, self._catalog, self._retention)
+                        or []
+                    ):
+                        self._queue(pending)
                     parts = self._guarded(
                         "parts", collect_parts, self._catalog, self._store, self._parts_ttl_s
                     )
@@ -137,6 +145,7 @@ class Maintenance:
                 continue
             try:
                 self._guarded("retention", self._retain, run)
+                self._guarded("archive", self._archive, run)
                 self._guarded("reroot", self._maintain, run)
             finally:
                 with self._cond:
@@ -155,12 +164,34 @@ class Maintenance:
             stop=self._stop,
         )
 
+    def _archive(self, run: str) -> None:
+        """Move to the lossy tier what the run's policy says (:mod:`.archive`)."""
+        try:
+            apply_archival(
+                self._catalog,
+                self._store,
+                run,
+                self._policy,
+                self._retention,
+                scratch=self._scratch,
+                pool=self._pool,
+                stop=self._stop,
+            )
+        except Stopped:
+            return
+
+    def _queue(self, run: str) -> None:
+        """A pass of ``run`` is due at once, unless one is queued already."""
+        with self._cond:
+            self._due.setdefault(run, time.monotonic())
+
     def _maintain(self, run: str) -> None:
         try:
             if self._failed.get(run, 0.0) <= time.monotonic():
-                with self._catalog.reroot_lock(run, blocking=False) as held:
+                with self._catalog.reroot_lock(run, blocking=False) as lease:
                     # again while it moved the root: saves made during a re-root can leave
                     # the newest checkpoint still too deep (each pass halves its depth)
+                    held = lease is not None
                     passes = 0
                     while held and passes < _MAX_PASSES and not self._stop.is_set():
                         passes += 1

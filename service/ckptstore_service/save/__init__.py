@@ -8,10 +8,21 @@
 
 :class:`Saver` runs them in the calling (worker) thread, which consumes the request body as
 an iterator of byte pieces (fed by the event loop, see ``api/body.py``), under the run's
-lock. It holds a bounded amount whatever the checkpoint's size. The raw bytes also go to a
-new base-cache file (the cache policy decides which, and installs it after the commit). Any
-failure aborts the upload transaction (blob deleted, then its ``writing`` row) and discards
-the cache file, so nothing becomes visible.
+lock, taken once the header is read and the first tensor bytes arrived (a client that
+stalls after its header blocks no one's saves to the run); the commit checks the lock's
+lease (fencing: a save whose lock was lost commits nothing, LockLost). It holds a bounded
+amount whatever the checkpoint's size. The raw bytes also go to a new base-cache file (the
+cache policy decides which, and installs it after the commit). Any failure aborts the upload
+transaction (blob deleted, then its ``writing`` row) and discards the cache file, so nothing
+becomes visible.
+
+A lossy save (``ckptstore.lossy`` in the header's metadata, docs/lossy.md) stores the paired
+fp32 weights and Adam moments lossy against the parent's reconstruction: the new cache file
+gets the reconstruction, not the bytes sent (the next save diffs against what loads, and
+``latest`` served from the cache is what a cold load rebuilds), each such tensor's checksum
+is its reconstruction's (the one it was sent as is kept for retries), and the checkpoint
+records the parameters if a chunk was stored lossy. It never overwrites its parent's cache
+file in place: a chunk reads the parent's ``exp_avg_sq`` at another tensor's place.
 """
 
 from __future__ import annotations
@@ -20,12 +31,13 @@ import logging
 import time
 from collections.abc import Iterable
 
+from ckptstore_core.records import LOSSY_KEY
 from ckptstore_service.cache_policy import CachePolicy
-from ckptstore_service.catalog import Catalog, CheckpointRecord
+from ckptstore_service.catalog import Catalog, CheckpointRecord, Lease
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.save.encode import FileBases
-from ckptstore_service.save.header import Incoming, open_body, same_content
-from ckptstore_service.save.plan import same_offsets
+from ckptstore_service.save.header import Incoming, open_body, same_content, wait_for_data
+from ckptstore_service.save.plan import LossySave, same_offsets
 from ckptstore_service.save.store import ChunkStore, planner_for
 from ckptstore_service.save.upload import UploadTransaction
 from ckptstore_service.settings import Settings
@@ -64,28 +76,31 @@ class Saver:
         idempotent retry); different content raises CheckpointExists.
         """
         s = self._settings
-        incoming = open_body(body, content_length, s)
-        with self._catalog.run_lock(run):
+        incoming = wait_for_data(open_body(body, content_length, s))
+        with self._catalog.run_lock(run) as lease:
+            assert lease is not None
             existing = self._catalog.find(run, step)
             if existing is not None:
                 conflict = f"run {run!r} already has a different checkpoint at step {step}"
                 stored = self._catalog.tensors(existing.id)
-                same_content(stored, existing.stored_metadata, incoming, conflict)
+                same_content(stored, existing.stored_metadata, incoming, conflict, existing.lossy)
                 return existing, False
-            self._store_new(run, step, incoming)
+            self._store_new(run, step, incoming, lease)
         record = self._catalog.get(run, step)
         self._metrics.saved(record)
         return record, True
 
-    def _store_new(self, run: str, step: int, incoming: Incoming) -> None:
+    def _store_new(self, run: str, step: int, incoming: Incoming, lease: Lease) -> None:
         t_start = time.perf_counter()
         header = incoming.header
         parent = self._catalog.parent_of(run, step)
-        planner, parent_tensors = planner_for(self._catalog, self._settings, header, parent)
-        in_place = same_offsets(parent_tensors.values(), header)
+        lossy = LossySave.asked(header)
+        planner, parent_tensors = planner_for(self._catalog, self._settings, header, parent, lossy)
+        # a lossy chunk reads its pair's exp_avg_sq in the parent's file: not overwritten
+        in_place = lossy is None and same_offsets(parent_tensors.values(), header)
         with (
             self._cache.save_files(run, parent, in_place) as files,
-            UploadTransaction.begin(self._catalog, self._store, run, step) as tx,
+            UploadTransaction.begin(self._catalog, self._store, run, step, lease) as tx,
         ):
             bases = None if files.base_fd is None else FileBases(files.base_fd)
             stored = self._chunks.store(header, incoming.pieces, planner, bases, files.fd, tx)
@@ -94,14 +109,17 @@ class Saver:
             t_durable = time.perf_counter()
             tx.commit(
                 parent_id=None if parent is None else parent.id,
-                keyframe=planner.keyframe,
+                # lossy chunks go on through keyframes: the checkpoint then holds deltas
+                keyframe=planner.keyframe and not stored.lossy,
                 since_keyframe=planner.since_keyframe,
                 raw_bytes=header.data_len,
                 stored_bytes=stored_bytes,
-                metadata=dict(header.metadata),
+                # what was done is the checkpoint's ``lossy``, not what was asked
+                metadata={k: v for k, v in header.metadata.items() if k != LOSSY_KEY},
                 tensors=stored.tensors,
                 chunks=stored.chunks,
                 sibling_bases=stored.siblings,
+                lossy=lossy.params.to_json() if lossy is not None and stored.lossy else None,
             )
             files.committed = (tx.checkpoint_id, header.data_len)
         t_end = time.perf_counter()

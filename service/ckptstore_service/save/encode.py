@@ -3,9 +3,10 @@ within a memory budget.
 
 Each chunk is encoded against its base (read from the parent's data section in the base
 cache, or decoded from storage: a :class:`BaseReader`) or its cast source (read from the new
-cache file), and its raw bytes are written to the new cache file,
-in the codec pool; a small chunk costs less to encode in the calling thread than to hand to
-a codec thread (two wake-ups), so it is encoded at once. What is held:
+cache file), and what it loads to is written to the new cache file (its raw bytes; a lossy
+chunk's reconstruction, so that the next save diffs against what loads), in the codec pool;
+a small chunk costs less to encode in the calling thread than to hand to a codec thread (two
+wake-ups), so it is encoded at once. What is held:
 
 * chunks in flight in the pool hold a buffer each: at most ``budget.in_flight`` of them;
 * small chunks, encoded at once, hold only what they encoded while they wait for the chunks
@@ -30,11 +31,11 @@ from typing import Protocol
 
 import numpy as np
 
-from ckptstore_core import codec
-from ckptstore_core.errors import CorruptData
+from ckptstore_core import codec, lossy
+from ckptstore_core.errors import CorruptData, InternalError
 from ckptstore_service.budget import Budget
 from ckptstore_service.chains import ChainDecoder
-from ckptstore_service.save.plan import BaseChunk, CastFrom, ChunkPlan
+from ckptstore_service.save.plan import BaseChunk, CastFrom, ChunkPlan, LossyChunk
 from ckptstore_service.save.split import RawChunk
 
 __all__ = [
@@ -107,19 +108,47 @@ def _predicted(cast: CastFrom, cache_fd: int) -> bytes:
     return codec.cast_prediction(os.pread(cache_fd, cast.length, cast.file_offset), cast.dtype)
 
 
+def encode_lossy(
+    c: RawChunk, plan: LossyChunk, parent: memoryview, bases: BaseReader
+) -> tuple[codec.EncodedChunk, np.ndarray] | None:
+    """Chunk ``c`` (fp32) stored lossy against ``parent`` (its base's bytes, as they load):
+    the encoded chunk (codec LOSSY, the reconstruction's checksum) and the reconstruction,
+    or None if :func:`ckptstore_core.lossy.encode` keeps it lossless. The payload is decoded
+    back and compared with the reconstruction before it is used (never silent)."""
+    v_prev = None
+    if plan.v_prev is not None:
+        into = np.empty(c.raw_len, np.uint8)
+        v_prev = np.frombuffer(bases.read(plan.v_prev, into), np.float32)
+    base = np.frombuffer(parent, np.float32)
+    out = lossy.encode(plan.role, c.data.view(np.float32), base, v_prev, plan.params)
+    if out is None:
+        return None
+    payload, rec = out
+    if lossy.decode(payload, base, len(rec)).tobytes() != rec.tobytes():
+        raise InternalError("a lossy chunk does not decode to the reconstruction it encoded")
+    return codec.EncodedChunk(lossy.LOSSY, (payload,), codec.checksum(rec.data)), rec
+
+
 def encode_job(
     c: RawChunk, plan: ChunkPlan, level: int, bases: BaseReader | None, cache_fd: int
 ) -> codec.EncodedChunk:
-    """Encode one chunk (a codec thread's job) and write its raw bytes to the cache file."""
+    """Encode one chunk (a codec thread's job) and write what it loads to (its raw bytes, or
+    a lossy chunk's reconstruction) to the cache file."""
+    lossy_out = None
     try:
         predicted = None if plan.cast is None else _predicted(plan.cast, cache_fd)
         parent = None
         if plan.base is not None and bases is not None:
             parent = bases.read(plan.base, c.scratch[: c.raw_len])
-        os.pwrite(cache_fd, c.data.data, c.file_offset)
+        if plan.lossy is not None and parent is not None and bases is not None:
+            lossy_out = encode_lossy(c, plan.lossy, parent, bases)
+        loads_as = c.data.data if lossy_out is None else lossy_out[1].data
+        os.pwrite(cache_fd, loads_as, c.file_offset)
     finally:
         if plan.written is not None:
             plan.written.set()  # also on failure: the ingest fails anyway, nobody must hang
+    if lossy_out is not None:
+        return lossy_out[0]
     if predicted is not None:
         assert plan.cast is not None
         # a delta on the prediction adds no chain link: every gain counts

@@ -10,6 +10,7 @@ is stored.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -17,12 +18,20 @@ from dataclasses import dataclass
 import xxhash
 
 from ckptstore_core.errors import CheckpointExists, InvalidStream, PayloadTooLarge
-from ckptstore_core.records import USER_METADATA_KEY, decode_user_metadata
+from ckptstore_core.lossy import Lossy
+from ckptstore_core.records import LOSSY_KEY, USER_METADATA_KEY, decode_user_metadata
 from ckptstore_core.wire import FORMAT, Header, StreamParser, TensorPiece
 from ckptstore_service.catalog import TensorInfo
 from ckptstore_service.settings import Settings
 
-__all__ = ["Incoming", "check_metadata", "open_body", "read_header", "same_content"]
+__all__ = [
+    "Incoming",
+    "check_metadata",
+    "open_body",
+    "read_header",
+    "same_content",
+    "wait_for_data",
+]
 
 
 @dataclass
@@ -53,6 +62,16 @@ def open_body(body: Iterable[bytes], content_length: int | None, settings: Setti
             f"{header.total_len} bytes"
         )
     return Incoming(header, _tensor_stream(parser, first, it))
+
+
+def wait_for_data(incoming: Incoming) -> Incoming:
+    """``incoming`` once its first tensor bytes arrived (or its body ended): a writer takes
+    its run's lock only then, so a client that sent a valid header and then nothing holds
+    no lock (its upload is cut by the idle timeout, :mod:`ckptstore_service.api.body`)."""
+    first = next(incoming.pieces, None)
+    if first is None:
+        return incoming
+    return Incoming(incoming.header, itertools.chain((first,), incoming.pieces))
 
 
 def read_header(parser: StreamParser, body: Iterator[bytes]) -> tuple[Header, list[TensorPiece]]:
@@ -92,6 +111,7 @@ def check_metadata(header: Header) -> None:
             decode_user_metadata(meta[USER_METADATA_KEY])
         except ValueError as exc:
             raise InvalidStream(f"{USER_METADATA_KEY!r}: {exc}") from None
+    lossy_params(meta)  # InvalidRequest for parameters that are not
     fmt = meta.get("format", "")
     # other writers' formats ({"format": "pt"} from transformers) are plain safetensors files
     if fmt != FORMAT and (fmt.startswith("ckptstore/") or "skeleton" in meta):
@@ -125,6 +145,26 @@ def check_metadata(header: Header) -> None:
             todo.extend(node.values())
 
 
+def lossy_params(metadata: Mapping[str, str]) -> Lossy | None:
+    """The lossy parameters a save's header asks for under ``ckptstore.lossy`` (None: a
+    bit-exact save); InvalidRequest (400) for a value that is neither ``true`` nor an object
+    of known parameters in range. ``false`` asks for a bit-exact save."""
+    text = metadata.get(LOSSY_KEY)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        value = text  # Lossy.from_json words the error
+    return None if value is False else Lossy.from_json(value)
+
+
+def stored_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    """A save header's metadata as the checkpoint keeps it: without ``ckptstore.lossy``
+    (what was done is the checkpoint's ``lossy``, not what was asked)."""
+    return {k: v for k, v in metadata.items() if k != LOSSY_KEY}
+
+
 def _no_constant(name: str) -> object:
     raise ValueError(f"{name} is not JSON")
 
@@ -142,21 +182,29 @@ def _tensor_stream(
 
 def same_content(
     stored_tensors: list[TensorInfo],
-    stored_metadata: Mapping[str, str] | None,
+    stored_meta: Mapping[str, str] | None,
     incoming: Incoming,
     conflict: str,
+    stored_lossy: Mapping[str, object] | None = None,
 ) -> None:
     """Return if ``incoming`` holds what is stored (a retry: the client gets a 200), else
-    raise CheckpointExists(``conflict``). Metadata is compared unless ``stored_metadata`` is
-    None (a part's is not kept). Consumes the body."""
+    raise CheckpointExists(``conflict``). Metadata is compared unless ``stored_meta`` is
+    None (a part's is not kept). Tensors are compared as they were sent (a lossy tensor's
+    ``sent_checksum``); a checkpoint stored lossy (``stored_lossy``) matches only a save
+    asking for the same parameters, one stored bit-exact any save. Consumes the body."""
     header = incoming.header
     # by name: the order of the tensors in the stream is free (clients have changed it)
-    stored = {t.name: (t.dtype, t.shape, t.checksum) for t in stored_tensors}
+    stored = {t.name: (t.dtype, t.shape, t.sent) for t in stored_tensors}
     hashers = [xxhash.xxh3_128() for _ in header.tensors]
     for piece in incoming.pieces:
         hashers[piece.index].update(piece.data)
     sent = {
         t.name: (t.dtype, t.shape, h.digest()) for t, h in zip(header.tensors, hashers, strict=True)
     }
-    if sent != stored or stored_metadata not in (None, header.metadata):
+    asked = lossy_params(header.metadata)
+    if (
+        sent != stored
+        or stored_meta not in (None, stored_metadata(header.metadata))
+        or (stored_lossy is not None and (asked is None or asked.to_json() != stored_lossy))
+    ):
         raise CheckpointExists(conflict)

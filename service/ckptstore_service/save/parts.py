@@ -26,16 +26,16 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from ckptstore_core.dcp_layout import METADATA_KEY
 from ckptstore_core.errors import CheckpointExists, InvalidRequest
-from ckptstore_core.records import USER_METADATA_KEY, decode_user_metadata
+from ckptstore_core.records import LOSSY_KEY, USER_METADATA_KEY, decode_user_metadata
 from ckptstore_service.assemble import layout_view
 from ckptstore_service.cache_policy import CachePolicy
-from ckptstore_service.catalog import Catalog, CheckpointRecord, PartRecord
+from ckptstore_service.catalog import Catalog, CheckpointRecord, Lease, PartRecord
 from ckptstore_service.chains import ChainDecoder
 from ckptstore_service.maintenance.garbage import delete_blob
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.names import check_part_name
 from ckptstore_service.save.encode import BaseReader, FileBases, StoredBases
-from ckptstore_service.save.header import Incoming, open_body, same_content
+from ckptstore_service.save.header import Incoming, open_body, same_content, wait_for_data
 from ckptstore_service.save.store import ChunkStore, planner_for
 from ckptstore_service.save.upload import PartTransaction
 from ckptstore_service.settings import Settings
@@ -44,6 +44,11 @@ from ckptstore_service.storage import BlobStore
 __all__ = ["PartSaver"]
 
 log = logging.getLogger("ckptstore")
+
+_NO_LOSSY_PARTS = (
+    "a checkpoint written in parts cannot be lossy (ckptstore.lossy): save it from one "
+    "writer, or save it exact (docs/lossy.md)"
+)
 
 
 class PartSaver:
@@ -77,12 +82,15 @@ class PartSaver:
         step that is committed already or a part that is being uploaded right now."""
         check_part_name(name)
         s = self._settings
-        incoming = open_body(body, content_length, s)
+        # no lock before the first tensor bytes arrive (see Saver.ingest)
+        incoming = wait_for_data(open_body(body, content_length, s))
+        if LOSSY_KEY in incoming.header.metadata:
+            raise InvalidRequest(_NO_LOSSY_PARTS)
         run_id = self._catalog.ensure_run(run)
         with self._catalog.run_lock(run):
             checkpoint_id = self._catalog.open_parts(run_id, step)
         with self._catalog.part_lock(run, step, name, blocking=False) as held:
-            if not held:
+            if held is None:
                 raise CheckpointExists(f"part {name!r} of {run}/{step} is being uploaded")
             existing = self._catalog.find_part(checkpoint_id, name)
             if existing is not None and existing.status == "done":
@@ -92,14 +100,20 @@ class PartSaver:
                 return existing, False
             if existing is not None:  # a crashed upload of this part: its lock is free
                 self.collect(existing)
-            self._store_part(run, step, checkpoint_id, name, incoming)
+            self._store_part(run, step, checkpoint_id, name, incoming, held)
         part = self._catalog.find_part(checkpoint_id, name)
         assert part is not None
         self._metrics.part_saved(part)
         return part, True
 
     def _store_part(
-        self, run: str, step: int, checkpoint_id: int, name: str, incoming: Incoming
+        self,
+        run: str,
+        step: int,
+        checkpoint_id: int,
+        name: str,
+        incoming: Incoming,
+        lease: Lease,
     ) -> None:
         header = incoming.header
         parent = self._catalog.parent_of(run, step)
@@ -109,7 +123,9 @@ class PartSaver:
         with (
             self._bases(run, parent) as bases,
             tempfile.TemporaryFile(dir=self._scratch) as raw,
-            PartTransaction.begin(self._catalog, self._store, run, step, checkpoint_id, name) as tx,
+            PartTransaction.begin(
+                self._catalog, self._store, run, step, checkpoint_id, name, lease
+            ) as tx,
         ):
             stored = self._chunks.store(header, incoming.pieces, planner, bases, raw.fileno(), tx)
             stored_bytes = tx.finish()
@@ -146,12 +162,14 @@ class PartSaver:
         uploaded but not named are deleted."""
         for name in names:
             check_part_name(name)
-        with self._catalog.run_lock(run):
+        with self._catalog.run_lock(run) as lease:
             existing = self._catalog.find(run, step)
             if existing is not None:
                 if self._catalog.committed_parts(existing.id) == list(names):
                     return existing, False
                 raise CheckpointExists(f"run {run!r} already has a checkpoint at step {step}")
+            if LOSSY_KEY in metadata:
+                raise InvalidRequest(_NO_LOSSY_PARTS)
             if USER_METADATA_KEY in metadata:
                 try:
                     decode_user_metadata(metadata[USER_METADATA_KEY])
@@ -171,6 +189,7 @@ class PartSaver:
                 keyframe=keyframe,
                 since_keyframe=0 if parent is None else parent.since_keyframe + 1,
                 metadata=dict(metadata),
+                fence=lease,
             )
         for part in unnamed:
             self.collect(part)

@@ -10,22 +10,42 @@ chunk then links into the chain.
   with ``master/fc.weight``) is first predicted as the rounding of its fp32 chunk, which
   therefore must be in the new cache file first: :class:`CastFrom` carries the event that
   says so. Clients send fp32 tensors first.
-* **Link:** once encoded, a ref or delta rests on its base (depth + 1 for a delta); a copy
-  predicted from its master rests on that chunk of the same checkpoint (a *sibling*).
+* **Lossy** (a save that asks for it, docs/lossy.md): the fp32 weights and Adam moments that
+  :func:`ckptstore_core.lossy.pair_tensors` pairs get a :class:`LossyChunk` when they have a
+  base no more than ``lossy_max_depth`` deep, keyframe save or not (a keyframe would store
+  them exact, which is what the lossy tier is there to avoid): their role, the parameters,
+  and where the parent's reconstructed ``exp_avg_sq`` over the same elements lies (the
+  importance of each element). The encoder may still store such a chunk losslessly (exact
+  moments, a small chunk, no base): then the usual rules apply.
+* **Link:** once encoded, a ref, delta or lossy chunk rests on its base (depth + 1 for a
+  delta or a lossy chunk); a copy predicted from its master rests on that chunk of the same
+  checkpoint (a *sibling*).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ckptstore_core import codec
+from ckptstore_core import codec, lossy
 from ckptstore_core.wire import Header
 from ckptstore_service.catalog import ChunkInfo, TensorInfo
+from ckptstore_service.save.header import lossy_params
 from ckptstore_service.save.split import RawChunk
 
-__all__ = ["BaseChunk", "CastFrom", "ChunkPlan", "DeltaPlanner", "Link", "same_offsets"]
+__all__ = [
+    "BaseChunk",
+    "CastFrom",
+    "ChunkPlan",
+    "DeltaPlanner",
+    "Link",
+    "LossyChunk",
+    "LossySave",
+    "rests_on_base",
+    "same_offsets",
+]
 
 _Place = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, offset, length
 
@@ -49,11 +69,72 @@ class CastFrom:
 
 
 @dataclass(frozen=True, slots=True)
+class LossyChunk:
+    """A chunk that may be stored lossy against its (planned) base."""
+
+    role: lossy.Role
+    params: lossy.Lossy
+    # the parent's chunk of the paired exp_avg_sq over the same elements (its reconstruction
+    # is read like a base), None if the parent has none
+    v_prev: BaseChunk | None
+
+
+@dataclass(frozen=True, slots=True)
 class ChunkPlan:
     base: BaseChunk | None
     delta: bool  # may be a delta of ``base`` (a ref to it is always allowed)
     cast: CastFrom | None
     written: threading.Event | None  # to set once this chunk is in the cache file
+    lossy: LossyChunk | None = None  # may be stored lossy against ``base``
+
+
+@dataclass(frozen=True)
+class LossySave:
+    """What a lossy save asks for: its parameters, and the paired tensors of its header
+    (by index): each one's role and the index of its pair's ``exp_avg_sq`` (None: none)."""
+
+    params: lossy.Lossy
+    roles: dict[int, tuple[lossy.Role, int | None]]
+
+    @classmethod
+    def asked(cls, header: Header) -> LossySave | None:
+        """What the save of ``header`` asks for (``ckptstore.lossy`` in its metadata,
+        checked when the header was read), None for a bit-exact save."""
+        params = lossy_params(header.metadata)
+        if params is None:
+            return None
+        skeleton = header.metadata.get("skeleton")
+        return cls.of(header, params, None if skeleton is None else json.loads(skeleton))
+
+    @classmethod
+    def of(cls, header: Header, params: lossy.Lossy, skeleton: object) -> LossySave:
+        """The paired tensors of ``header`` (``skeleton``: its parsed skeleton, or None)."""
+        specs = [(t.name, t.dtype, t.shape) for t in header.tensors]
+        index = {t.name: i for i, t in enumerate(header.tensors)}
+        roles: dict[int, tuple[lossy.Role, int | None]] = {}
+        for pair in lossy.pair_tensors(specs, skeleton):
+            v = None if pair.exp_avg_sq is None else index.get(pair.exp_avg_sq)
+            named: list[tuple[lossy.Role, str | None]] = [
+                ("weight", pair.weight),
+                ("exp_avg", pair.exp_avg),
+                ("exp_avg_sq", pair.exp_avg_sq),
+            ]
+            for role, name in named:
+                i = None if name is None else index.get(name)
+                # checked here too: a chunk of a paired tensor reads its pair's at its offset
+                if (
+                    i is not None
+                    and header.tensors[i].dtype == "F32"
+                    and (v is None or header.tensors[v].shape == header.tensors[i].shape)
+                ):
+                    roles.setdefault(i, (role, v))
+        return cls(params, roles)
+
+
+def rests_on_base(encoded_as: str) -> bool:
+    """Whether a chunk stored as codec ``encoded_as`` is decoded from its base: a delta or a
+    lossy chunk (its residual against the base's reconstruction)."""
+    return encoded_as == lossy.LOSSY or codec.is_delta(encoded_as)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +188,17 @@ class DeltaPlanner:
         max_chain_depth: int,
         parent_tensors: dict[int, TensorInfo] | None = None,
         parent_chunks: Iterable[ChunkInfo] = (),
+        lossy: LossySave | None = None,
+        lossy_max_depth: int = 0,
     ) -> None:
         self._header = header
         self.keyframe = keyframe
         self.since_keyframe = since_keyframe  # what the checkpoint records, unless keyframe
         self._max_depth = max_chain_depth
+        self._lossy = lossy
+        self._lossy_max_depth = lossy_max_depth
+        #: the tensors that may hold lossy chunks (their checksums are the reconstruction's)
+        self.lossy_tensors = frozenset(() if lossy is None else lossy.roles)
         self._bases: dict[_Place, BaseChunk] = {}
         for c in parent_chunks:
             assert parent_tensors is not None
@@ -143,7 +230,22 @@ class DeltaPlanner:
         written = None
         if c.tensor_idx in self._masters:
             written = self._written[(c.tensor_idx, c.offset)] = threading.Event()
-        return ChunkPlan(base, delta, cast, written)
+        return ChunkPlan(base, delta, cast, written, self._lossy_plan(c, base))
+
+    def _lossy_plan(self, c: RawChunk, base: BaseChunk | None) -> LossyChunk | None:
+        if self._lossy is None or base is None or base.depth >= self._lossy_max_depth:
+            return None
+        found = self._lossy.roles.get(c.tensor_idx)
+        if found is None:
+            return None
+        role, v = found
+        v_prev = None
+        if v is not None:
+            t = self._header.tensors[v]
+            # the same elements: the pair has this tensor's shape and dtype, so its chunks
+            # are cut at the same offsets
+            v_prev = self._bases.get((t.name, t.dtype, t.shape, c.offset, c.raw_len))
+        return LossyChunk(role, self._lossy.params, v_prev)
 
     def link(self, c: RawChunk, plan: ChunkPlan, encoded_as: str) -> Link:
         """How chunk ``c``, planned as ``plan`` and encoded as codec ``encoded_as``, rests
@@ -153,9 +255,9 @@ class DeltaPlanner:
         if plan.cast is not None and codec.split_cast(encoded_as):
             sibling, master_depth = self._stored[plan.cast.source]
             depth = master_depth + 1
-        elif encoded_as == codec.REF or codec.is_delta(encoded_as):
+        elif encoded_as == codec.REF or rests_on_base(encoded_as):
             assert plan.base is not None
             base_id = plan.base.chunk_id
-            depth = plan.base.depth + codec.is_delta(encoded_as)
+            depth = plan.base.depth + rests_on_base(encoded_as)
         self._stored[(c.tensor_idx, c.offset)] = (len(self._stored), depth)
         return Link(base_id, depth, sibling)

@@ -11,7 +11,7 @@ chunk takes its chunk's, which the codec computes anyway.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,12 +47,12 @@ class Splitter:
     """Cuts the pieces of ``header``'s tensors into :class:`RawChunk`\\ s; hand each block
     back with :meth:`recycle` once its chunk is encoded."""
 
-    def __init__(self, header: Header, chunk_bytes: int) -> None:
+    def __init__(self, header: Header, chunk_bytes: int, hashed: Collection[int] = ()) -> None:
         self._header = header
         self._chunk_bytes = chunk_bytes
         self._largest = codec.chunk_step(8, chunk_bytes)
         self._free: list[np.ndarray] = []
-        self.digests = TensorDigests(header, chunk_bytes)
+        self.digests = TensorDigests(header, chunk_bytes, hashed)
 
     def recycle(self, block: np.ndarray) -> None:
         self._free.append(block)
@@ -86,16 +86,18 @@ class Splitter:
 
 
 class TensorDigests:
-    """Each tensor's xxh3-128: hashed as it streams by when it spans several chunks, its one
-    chunk's checksum (:meth:`chunk_checksum`) otherwise."""
+    """Each tensor's xxh3-128 as it is sent: hashed as it streams by when it spans several
+    chunks or is one of ``hashed`` (tensors whose chunks may be stored lossy: their chunk
+    checksums are the reconstruction's), its one chunk's checksum
+    (:meth:`chunk_checksum`) otherwise."""
 
-    def __init__(self, header: Header, chunk_bytes: int) -> None:
+    def __init__(self, header: Header, chunk_bytes: int, hashed: Collection[int] = ()) -> None:
         self._header = header
         self._digests: list[bytes | None] = [None] * len(header.tensors)
         self._hashers = {
             i: xxhash.xxh3_128()
             for i, t in enumerate(header.tensors)
-            if not 0 < t.nbytes <= codec.chunk_step(t.itemsize, chunk_bytes)
+            if i in hashed or not 0 < t.nbytes <= codec.chunk_step(t.itemsize, chunk_bytes)
         }
 
     def update(self, piece: TensorPiece) -> None:

@@ -1,18 +1,20 @@
 """The upload transaction of a save: a checkpoint's blob and its ``writing`` row, from
 begin to commit or abort.
 
-    tx = UploadTransaction.begin(catalog, store, run, step)   # the writing row, the writer
-    tx.write(parts) ...                                        # appended, in order
-    tx.finish()                                                # the blob is durable
-    tx.commit(...)                                             # one catalog transaction
-    tx.abort()                                                 # or: nothing stays visible
+    tx = UploadTransaction.begin(catalog, store, run, step, lease)  # writing row, writer
+    tx.write(parts) ...                                  # appended, in order
+    tx.finish()                                          # the blob is durable
+    tx.commit(...)                                       # one transaction, fenced by lease
+    tx.abort()                                           # or: nothing stays visible
 
 As a context manager it aborts if the body raises before :meth:`commit`. Data first,
 metadata last: the checkpoint becomes visible only in the commit's transaction, after its
-blob is durable. An abort runs each clean-up step on its own (the save's own error is what
-the client must see, and a blob store that refused the write refuses the delete too) and
-drops the ``writing`` row only once its blob is gone: that row is what names a finished
-blob to the start-up collection, which nothing else would ever find.
+blob is durable, and only if the lock it was written under (``lease``) is still held then
+(LockLost otherwise: the fencing check of :mod:`ckptstore_service.catalog.locks`). An
+abort runs each clean-up step on its own (the save's own error is what the client must see,
+and a blob store that refused the write refuses the delete too) and drops the ``writing``
+row only once its blob is gone: that row is what names a finished blob to the start-up
+collection, which nothing else would ever find.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Self
 
 from ckptstore_core.errors import InvalidStream, StorageUnavailable
-from ckptstore_service.catalog import Catalog, NewChunk, PartRecord, TensorInfo
+from ckptstore_service.catalog import Catalog, Lease, NewChunk, PartRecord, TensorInfo
 from ckptstore_service.handoff import unbatched
 from ckptstore_service.names import blob_key
 from ckptstore_service.storage import BlobStore, Buffer
@@ -182,16 +184,27 @@ class UploadTransaction(_BlobTransaction):
     """A single writer's checkpoint (see the module's docstring); ``checkpoint_id`` is its
     ``writing`` row's id."""
 
-    def __init__(self, catalog: Catalog, store: BlobStore, key: str, checkpoint_id: int):
+    def __init__(
+        self,
+        catalog: Catalog,
+        store: BlobStore,
+        key: str,
+        checkpoint_id: int,
+        lease: Lease | None = None,
+    ):
         super().__init__(store, key)
         self._catalog = catalog
         self.checkpoint_id = checkpoint_id
+        self._lease = lease
 
     @classmethod
-    def begin(cls, catalog: Catalog, store: BlobStore, run: str, step: int) -> UploadTransaction:
+    def begin(
+        cls, catalog: Catalog, store: BlobStore, run: str, step: int, lease: Lease | None = None
+    ) -> UploadTransaction:
+        """``lease``: the run lock's, held for the whole upload; the commit checks it."""
         run_id = catalog.ensure_run(run)
         key = blob_key(run, step)
-        return cls(catalog, store, key, catalog.begin_upload(run_id, step, key))
+        return cls(catalog, store, key, catalog.begin_upload(run_id, step, key), lease)
 
     def _drop_row(self) -> None:
         self._catalog.abort_upload(self.checkpoint_id)
@@ -208,8 +221,10 @@ class UploadTransaction(_BlobTransaction):
         tensors: Sequence[TensorInfo],
         chunks: Sequence[NewChunk],
         sibling_bases: dict[int, int],
+        lossy: Mapping[str, object] | None = None,
     ) -> None:
-        """Make the checkpoint visible (after :meth:`finish`), in one transaction."""
+        """Make the checkpoint visible (after :meth:`finish`), in one transaction.
+        ``lossy``: the parameters its lossy chunks were stored with (None: bit-exact)."""
         self._catalog.commit_upload(
             self.checkpoint_id,
             parent_id=parent_id,
@@ -222,6 +237,8 @@ class UploadTransaction(_BlobTransaction):
             tensors=tensors,
             chunks=chunks,
             sibling_bases=sibling_bases,
+            fence=self._lease,
+            lossy=lossy,
         )
         self.committed = True
 
@@ -231,18 +248,35 @@ class PartTransaction(_BlobTransaction):
     blob; :meth:`commit` records its rows and makes it ``done`` (the checkpoint stays
     invisible until :meth:`Catalog.commit_parts`)."""
 
-    def __init__(self, catalog: Catalog, store: BlobStore, key: str, part: PartRecord):
+    def __init__(
+        self,
+        catalog: Catalog,
+        store: BlobStore,
+        key: str,
+        part: PartRecord,
+        lease: Lease | None = None,
+    ):
         super().__init__(store, key)
         self._catalog = catalog
         self.part = part
+        self._lease = lease
 
     @classmethod
     def begin(
-        cls, catalog: Catalog, store: BlobStore, run: str, step: int, checkpoint_id: int, name: str
+        cls,
+        catalog: Catalog,
+        store: BlobStore,
+        run: str,
+        step: int,
+        checkpoint_id: int,
+        name: str,
+        lease: Lease | None = None,
     ) -> PartTransaction:
+        """``lease``: the part lock's, held while the part uploads; its commit checks it."""
         key = blob_key(run, step)
         part_id = catalog.begin_part(checkpoint_id, name, key)
-        return cls(catalog, store, key, PartRecord(part_id, checkpoint_id, name, key, "", 0, 0, 0))
+        record = PartRecord(part_id, checkpoint_id, name, key, "", 0, 0, 0)
+        return cls(catalog, store, key, record, lease)
 
     def _drop_row(self) -> None:
         self._catalog.drop_part(self.part.id)
@@ -263,5 +297,6 @@ class PartTransaction(_BlobTransaction):
             tensors=tensors,
             chunks=chunks,
             sibling_bases=sibling_bases,
+            fence=self._lease,
         )
         self.committed = True
