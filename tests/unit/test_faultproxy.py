@@ -1,0 +1,176 @@
+"""The fault-injecting proxy of the fault suite (support.faultproxy) does what it says:
+forwards bytes both ways unchanged, delays by its latency, stalls without closing, resets
+with a RST (seen as "connection reset", not as an EOF), refuses new connections, and answers
+S3's 503 SlowDown to exactly the next N HTTP requests."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from support.faultproxy import SLOWDOWN_BODY, FaultProxy
+from support.waiting import wait_until
+
+
+class _Echo:
+    """A TCP echo server on a free port, one thread per connection."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.peers: list[socket.socket] = []
+        self.errors: list[OSError] = []  # what each connection ended with, if not an EOF
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.peers.append(conn)
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    def _echo(self, conn: socket.socket) -> None:
+        try:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+            conn.shutdown(socket.SHUT_WR)  # an EOF for an EOF
+        except OSError as exc:
+            self.errors.append(exc)
+
+    def close(self) -> None:
+        self.sock.close()
+        for peer in self.peers:
+            peer.close()
+
+
+@pytest.fixture
+def echo() -> Iterator[_Echo]:
+    server = _Echo()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def proxy(echo: _Echo) -> Iterator[FaultProxy]:
+    with FaultProxy("127.0.0.1", echo.port) as p:
+        yield p
+
+
+def _connect(proxy: FaultProxy, timeout: float = 5.0) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", proxy.port), timeout=timeout)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        piece = sock.recv(n - len(out))
+        assert piece, f"EOF after {len(out)} of {n} bytes"
+        out += piece
+    return out
+
+
+def test_forwards_bytes_both_ways_unchanged(proxy: FaultProxy) -> None:
+    payload = bytes(range(256)) * 4096  # 1 MiB, several chunks
+    with _connect(proxy) as sock:
+        sender = threading.Thread(target=sock.sendall, args=(payload,))
+        sender.start()
+        assert _recv_exactly(sock, len(payload)) == payload
+        sender.join()
+        sock.shutdown(socket.SHUT_WR)
+        assert sock.recv(1) == b""  # the half-close went through and came back
+    assert proxy.accepted == 1
+
+
+def test_latency_delays_each_chunk(proxy: FaultProxy) -> None:
+    with _connect(proxy) as sock:
+        sock.sendall(b"warm")
+        assert _recv_exactly(sock, 4) == b"warm"
+        proxy.set_latency(0.2)
+        start = time.monotonic()
+        sock.sendall(b"slow")
+        assert _recv_exactly(sock, 4) == b"slow"
+        assert time.monotonic() - start >= 0.4  # 0.2 s on the way there and back
+        proxy.set_latency(0)
+
+
+def test_stall_keeps_the_connection_open_and_silent(proxy: FaultProxy) -> None:
+    with _connect(proxy, timeout=0.5) as sock:
+        proxy.stall()
+        sock.sendall(b"held")
+        with pytest.raises(TimeoutError):
+            sock.recv(4)  # silence, not an EOF and not a reset
+        proxy.resume()
+        sock.settimeout(5)
+        assert _recv_exactly(sock, 4) == b"held"
+
+
+def test_reset_is_seen_as_a_reset_on_both_sides(proxy: FaultProxy, echo: _Echo) -> None:
+    with _connect(proxy) as sock:
+        sock.sendall(b"x")
+        assert _recv_exactly(sock, 1) == b"x"
+        assert proxy.reset() == 1
+        with pytest.raises(ConnectionResetError):
+            sock.recv(1)
+    wait_until(lambda: echo.errors, 5, "the upstream's side ended")
+    assert isinstance(echo.errors[0], ConnectionResetError), echo.errors
+    wait_until(lambda: proxy.connections == 0, 5, "the proxy dropped the link")
+
+
+def test_refuse_resets_new_connections_until_cleared(proxy: FaultProxy) -> None:
+    proxy.refuse()
+    # the reset may come on connect or on the first read
+    with pytest.raises(ConnectionResetError), _connect(proxy) as sock:
+        sock.sendall(b"x")
+        sock.recv(1)
+    proxy.clear()
+    with _connect(proxy) as sock:
+        sock.sendall(b"y")
+        assert _recv_exactly(sock, 1) == b"y"
+
+
+class _Ok(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_PUT(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_slowdown_answers_the_next_n_requests_then_forwards() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Ok)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with FaultProxy("127.0.0.1", server.server_address[1], http=True) as proxy:
+            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+            conn.request("PUT", "/b/k", body=b"before")  # forwarded, kept alive
+            assert conn.getresponse().read() == b"before"
+            proxy.slowdown(2)
+            for _ in range(2):
+                conn.request("PUT", "/b/k", body=b"throttled")
+                response = conn.getresponse()
+                assert response.status == 503
+                assert response.getheader("Connection") == "close"
+                assert response.read() == SLOWDOWN_BODY
+                assert b"<Code>SlowDown</Code>" in SLOWDOWN_BODY
+                conn.close()
+            conn.request("PUT", "/b/k", body=b"after")
+            assert conn.getresponse().read() == b"after"
+            conn.close()
+            assert (proxy.slowdowns_sent, proxy.requests) == (2, 4)
+    finally:
+        server.shutdown()
+        server.server_close()
