@@ -258,12 +258,25 @@ class S3BlobStore(BlobStore):
         deadline.begin_attempt()
 
     @staticmethod
-    def _after_attempt(context: dict[str, object], exception: object = None, **_: object) -> None:
+    def _after_attempt(
+        context: dict[str, object],
+        exception: object = None,
+        parsed_response: object = None,
+        **_: object,
+    ) -> None:
         """botocore hook, after each attempt: remembers why it failed, for the deadline's
-        error message."""
+        error message: a network error, or an error the store answered (a throttling
+        ``503 SlowDown`` that botocore retries is an answer, not an exception)."""
         deadline = context.get(_DEADLINE_KEY)
-        if isinstance(deadline, _Deadline) and exception is not None:
+        if not isinstance(deadline, _Deadline):
+            return
+        if exception is not None:
             deadline.last_error = f"{type(exception).__name__}: {exception}"
+        elif isinstance(parsed_response, dict) and isinstance(parsed_response.get("Error"), dict):
+            error, meta = parsed_response["Error"], parsed_response.get("ResponseMetadata", {})
+            status = meta.get("HTTPStatusCode") if isinstance(meta, dict) else None
+            message = f"{error.get('Code', '')} (HTTP {status}) {error.get('Message', '')}"
+            deadline.last_error = message.strip()
 
     # -- readiness and clean-up ------------------------------------------------------------
 
