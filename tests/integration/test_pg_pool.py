@@ -12,11 +12,14 @@ an upload holds no connection while it waits on the network.
 from __future__ import annotations
 
 import socket
+import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psycopg
 import pytest
 import torch
 
@@ -115,3 +118,94 @@ def test_many_concurrent_saves_of_different_runs(
         assert list(pool.map(save, range(n))) == [7] * n
     runs = httpx.get(f"{svc.url}/v1/runs", timeout=60).json()["runs"]
     assert sorted(r["name"] for r in runs) == sorted(f"rank-{i}" for i in range(n))
+
+
+LIMIT = 6  # connections the service's role may open
+
+
+@pytest.fixture
+def limited_url(pg_url: str) -> Iterator[str]:
+    """``pg_url`` as a role of its own, the database's owner, that may open ``LIMIT``
+    connections (the tests' superuser has no such limit)."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    url = make_url(pg_url)
+    role = f"ckpt_limited_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE ROLE "{role}" LOGIN CONNECTION LIMIT {LIMIT}'))
+        conn.execute(text(f'ALTER DATABASE "{url.database}" OWNER TO "{role}"'))
+        conn.execute(text(f'ALTER SCHEMA public OWNER TO "{role}"'))
+    yield url.set(username=role).render_as_string(hide_password=False)
+    with admin.connect() as conn:
+        conn.execute(
+            text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = :r"),
+            {"r": role},
+        )
+        conn.execute(text(f'REASSIGN OWNED BY "{role}" TO CURRENT_USER'))
+        conn.execute(text(f'DROP OWNED BY "{role}"'))
+        conn.execute(text(f'DROP ROLE "{role}"'))
+    admin.dispose()
+
+
+def _take_every_connection(url: str) -> list[psycopg.Connection]:
+    """Connections of ``url``'s role until the server refuses more ("too many connections
+    for role"), the service's own connections killed (as a restart or a neighbour's burst
+    would leave it): the service can open none."""
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    conninfo = f"host={u.host} port={u.port} user={u.username} dbname={u.database}"
+    hogs: list[psycopg.Connection] = []
+    for _ in range(20):
+        try:
+            hogs.append(psycopg.connect(conninfo, autocommit=True))
+            continue
+        except psycopg.OperationalError as exc:
+            assert "too many connections" in str(exc), exc
+        others = (
+            hogs[0]
+            .execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE usename = current_user AND NOT pid = ANY(%s)",
+                ([h.info.backend_pid for h in hogs],),
+            )
+            .fetchall()
+        )
+        if not others:
+            return hogs
+    raise AssertionError("the service kept its connections")
+
+
+def test_a_database_out_of_connections_is_a_503_the_client_retries(
+    make_service: Callable[..., Service], limited_url: str
+) -> None:
+    """A server refusing connections ("too many clients already", here its per-role form)
+    was a 500 internal_error that the client did not retry: it is a 503
+    storage_unavailable, retried until the server has room again; nothing half-saved."""
+    svc = make_service({"CKPTSTORE_DATABASE_URL": limited_url})
+    w = torch.arange(4096.0)
+    hogs = _take_every_connection(limited_url)
+    saved: list[int] = []
+    try:
+        answer = httpx.get(f"{svc.url}/v1/runs", timeout=60)
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "storage_unavailable"
+
+        def save() -> None:
+            with CheckpointClient(svc.url, retries=8, backoff=0.3) as client:
+                saved.append(client.save("full", 1, {"w": w}).step)
+
+        saver = threading.Thread(target=save)
+        saver.start()
+        saver.join(1.5)
+        assert saver.is_alive() and not saved  # refused, and retried
+    finally:
+        for hog in hogs:
+            hog.close()
+    saver.join(60)
+    assert saved == [1]
+    with CheckpointClient(svc.url) as client:
+        assert [c.step for c in client.list("full")] == [1]
+        assert torch.equal(client.load("full")["w"], w)
