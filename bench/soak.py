@@ -119,14 +119,11 @@ ALLOWED = {
     "503 service_unavailable",
 }
 
-WARMUP_S = 20.0
-CONFIG = ("minutes", "replicas", "writers", "readers", "slow_clients", "kill_every", "keep_last")
-CONFIG += (
-    "keep_every",
-    "save_pause",
-    "max_rss_slope",
-    "seed",
-)  # RSS samples of a replica's first seconds are left out of its slope
+WARMUP_S = 20.0  # RSS samples of a replica's first seconds are left out of its slope
+
+#: the options the JSON repeats
+CONFIG = ("minutes", "replicas", "writers", "readers", "slow_clients", "kill_every")
+CONFIG += ("keep_last", "keep_every", "save_pause", "max_rss_slope", "seed")
 
 
 def bounds(settings: dict[str, str]) -> dict[str, tuple[float, str]]:
@@ -578,7 +575,7 @@ def check_runs(soak: Soak) -> dict[str, Any]:
     rng = random.Random(7)
     t = time.monotonic()
     for svc in soak.replicas:
-        wait_idle(svc.url, timeout=300)
+        wait_idle(svc.url, timeout=max(300.0, soak.args.minutes * 60))
     soak.phases["idle_after_load_s"] = round(time.monotonic() - t, 1)
     for run in soak.runs:  # what the passes after the saves left (a killed one left more)
         kept = kept_steps(soak.policy, [Candidate(s) for s in run.committed])
@@ -593,7 +590,7 @@ def check_runs(soak: Soak) -> dict[str, Any]:
         )
     t = time.monotonic()
     for svc in soak.replicas:
-        wait_idle(svc.url, timeout=300)
+        wait_idle(svc.url, timeout=max(300.0, soak.args.minutes * 60))
     soak.phases["last_retention_pass_s"] = round(time.monotonic() - t, 1)
     for run in soak.runs:
         kept = sorted(kept_steps(soak.policy, [Candidate(s) for s in run.committed]))
@@ -823,7 +820,11 @@ def main(argv: list[str] | None = None) -> int:
                 if svc.proc is None or svc.proc.poll() is not None:
                     soak.start(i)
             began = time.monotonic()
-            final = check_runs(soak)
+            try:
+                final = check_runs(soak)
+            except Exception as exc:  # reported with the rest, not a traceback without figures
+                final = {"kept": 0, "extra_before_pass": 0, "wrong": 0}
+                final["problems"] = [f"final checks: {exc!r}\n{traceback.format_exc()}"]
             soak.phases["check_runs_s"] = round(time.monotonic() - began, 1)
         finally:
             began = time.monotonic()
