@@ -54,6 +54,7 @@ import http.client
 import json
 import math
 import random
+import re
 import socket
 import statistics
 import struct
@@ -624,6 +625,19 @@ def check_runs(soak: Soak) -> dict[str, Any]:
     return out
 
 
+def log_errors(root: Path) -> dict[str, int]:
+    """The replicas' ERROR (and CRITICAL) log lines, counted by message with the quoted
+    names and numbers left out: a figure, not a check (a warning is no failure)."""
+    counts: dict[str, int] = defaultdict(int)
+    for log in sorted(root.glob("replica*/service-*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            level, _, message = line.partition(" ckptstore: ")
+            if not level.endswith(("ERROR", "CRITICAL")):
+                continue
+            counts[re.sub(r"'[^']*'|\d+(\.\d+)?", "_", message)[:200]] += 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def check_store(env: dict[str, str], lease_s: float) -> dict[str, Any]:
     """With every replica stopped: crashed uploads collected (their leases run out first),
     due garbage collected as with grace 0; then the bucket against the catalog."""
@@ -757,6 +771,10 @@ def report(result: dict[str, Any]) -> None:
         f"{s['open_uploads']} open uploads; at the end {s['writing_rows_at_end']} writing rows "
         f"(crashed uploads not yet collected), {s['crashed_uploads_collected']} collected after"
     )
+    if result["log_errors"]:
+        print("replicas' ERROR log lines (not a check):")
+        for message, n in list(result["log_errors"].items())[:8]:
+            print(f"  {n:>5}  {message}")
     print(
         "\nchecks: "
         + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in result["checks"].items())
@@ -836,6 +854,7 @@ def main(argv: list[str] | None = None) -> int:
         began = time.monotonic()
         store = check_store(env, float(SETTINGS["CKPTSTORE_LOCK_LEASE_S"]))
         soak.phases["check_store_s"] = round(time.monotonic() - began, 1)
+        logged = log_errors(root)
     limits = bounds(SETTINGS)
     rec = soak.rec
     result: dict[str, Any] = {
@@ -854,6 +873,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "final": {k: v for k, v in final.items() if k != "problems"},
         "store": store,
+        "log_errors": logged,
     }
     errors = {f"{kind}: {e}": n for kind, es in rec.errors.items() for e, n in es.items()}
     result["errors"] = errors
