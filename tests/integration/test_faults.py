@@ -234,6 +234,28 @@ def test_a_reset_mid_request_to_s3_is_absorbed(faulty: Faulty) -> None:
     _assert_exactly(faulty, states)
 
 
+@pytest.mark.slow
+def test_a_reset_mid_multipart_upload_is_absorbed(faulty: Faulty) -> None:
+    """A checkpoint larger than an S3 part (8 MiB) goes up as a multipart upload; the
+    connections carrying it are reset in the middle of its first part: the service retries
+    the part within its deadline. Guarantees: success without a client retry, no wrong
+    bytes, no multipart upload left open."""
+    g = torch.Generator().manual_seed(7)
+    states = {0: {"w": torch.randn(3072, 1024, generator=g)}}  # 12 MiB: two parts
+    faulty.s3.set_latency(0.01)  # the part crawls: 8 MiB in 64 KiB chunks, over a second
+    before = faulty.s3.forwarded
+    with faulty.client() as client:
+        saving = _Background(client, 0, states[0])
+        wait_until(
+            lambda: faulty.s3.forwarded - before > 2 << 20, 60, "a part is going up", interval=0.01
+        )
+        assert faulty.s3.reset() >= 1
+        faulty.s3.set_latency(0)
+        saving.join()
+    assert saving.error is None, repr(saving.error)
+    _assert_exactly(faulty, states)
+
+
 def test_s3_down_fails_saves_and_loads_cleanly_then_they_succeed(faulty: Faulty) -> None:
     """S3 unreachable (every connection reset, new ones reset on accept): a save and a
     load fail with 503 StorageUnavailable within the bound; the failed save is not listed;
