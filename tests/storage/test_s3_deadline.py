@@ -10,11 +10,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
 
 import pytest
 
 from ckptstore_core.errors import StorageUnavailable
 from ckptstore_service.storage.s3 import MIN_PART_SIZE, S3BlobStore
+from support.faultproxy import FaultProxy
 from support.s3server import fake_aws_credentials, frozen
 
 pytestmark = pytest.mark.s3
@@ -95,3 +97,44 @@ def test_a_pause_shorter_than_the_read_timeout_is_not_cut(
     writer.join(BOUND_S)
     assert done == [10]
     assert store.get("k") == b"z" * 10
+
+
+@pytest.fixture
+def throttled(s3_endpoint: str) -> Iterator[tuple[S3BlobStore, FaultProxy]]:
+    """A store whose requests go through a fault proxy (http mode) to the session's moto."""
+    at = urlsplit(s3_endpoint)
+    assert at.hostname and at.port
+    with FaultProxy(at.hostname, at.port, http=True) as proxy:
+        store = S3BlobStore(
+            f"test-{uuid.uuid4().hex}",
+            endpoint_url=proxy.url,
+            region="us-east-1",
+            path_style=True,
+            create_bucket=True,
+            connect_timeout=CONNECT_S,
+            read_timeout=READ_S,
+            # room for one throttling back-off (up to 1 s) before the last attempt's start
+            deadline=DEADLINE_S + 0.5,
+            probe_timeout=PROBE_S,
+        )
+        yield store, proxy
+        store.close()
+
+
+def test_throttling_is_retried_then_fails_within_the_deadline_naming_slowdown(
+    throttled: tuple[S3BlobStore, FaultProxy],
+) -> None:
+    """S3 answers 503 SlowDown: one is retried away; answered to every request, each
+    operation fails within the deadline, and the error names the store's answer (it said
+    "no answer" before: only network exceptions were remembered)."""
+    store, proxy = throttled
+    store.put_stream("k", [b"x" * 100])
+    proxy.slowdown(1)
+    assert store.get("k") == b"x" * 100
+    assert proxy.slowdowns_sent == 1
+    proxy.slowdown(10**6)
+    for call in (lambda: store.put_stream("j", [b"y"]), lambda: store.get("k")):
+        _, message = _fails_within(call, BOUND_S)
+        assert "SlowDown (HTTP 503)" in message, message
+    proxy.clear()
+    assert store.get("k") == b"x" * 100
