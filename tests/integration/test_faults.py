@@ -37,7 +37,12 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from ckptstore import CheckpointClient
-from ckptstore_core.errors import CkptStoreError, RunNotFound, StorageUnavailable
+from ckptstore_core.errors import (
+    CkptStoreError,
+    RunNotFound,
+    ServiceUnavailable,
+    StorageUnavailable,
+)
 from support.faultproxy import FaultProxy
 from support.s3server import s3_store
 from support.serviceproc import Service
@@ -456,6 +461,31 @@ def test_pg_terminate_backend_mid_save(make_faulty: Callable[..., Faulty]) -> No
     faulty.front.set_latency(0)
     saving.join()
     assert saving.error is None, repr(saving.error)
+    _assert_exactly(faulty, states)
+
+
+def test_the_client_connection_reset_mid_save(make_faulty: Callable[..., Faulty]) -> None:
+    """The connection between the client and the service is reset while the save's body is
+    arriving: the client (``retries=0``) gets a typed ServiceUnavailable at once; the
+    service drops the upload (no ``writing`` row stays, nothing is listed); the same save
+    through the same proxy then succeeds. Guarantees: a clean typed error within a bound,
+    nothing half-visible, success on retry, no wrong bytes."""
+    faulty = make_faulty(base_cache=True)
+    states = {0: _state(0, BIG_ROWS), 1: _state(1, BIG_ROWS)}
+    with faulty.client() as client:
+        client.save(RUN, 0, states[0])
+    saving = _mid_save(faulty, 1, states[1])
+    start = time.monotonic()
+    assert faulty.front.reset() >= 1
+    faulty.front.set_latency(0)
+    saving.join()
+    took = time.monotonic() - start
+    assert isinstance(saving.error, ServiceUnavailable), repr(saving.error)
+    assert took < BOUND_S, f"{took:.1f} s"
+    wait_until(lambda: _writing_rows(faulty.pg_url) == 0, 20, "the upload was dropped")
+    with faulty.client(through_front=True) as client:
+        assert _steps(client) == [0]
+        client.save(RUN, 1, states[1])
     _assert_exactly(faulty, states)
 
 
