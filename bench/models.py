@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -235,29 +235,89 @@ class RunResult:
     params: int
     checkpoints: list[tuple[int, State]]
     losses: list[float]
+    # for bench/lossy.py (fp32 GPT and fine-tune runs): the batch generator's state at each
+    # checkpoint, the held-out loss of a state, and training resumed from a checkpoint's
+    # state (with its generator state) to the end of the run, returning the final state
+    gens: list[torch.Tensor] = field(default_factory=list)
+    evaluate: Callable[[State], float] | None = None
+    resume: Callable[[State, torch.Tensor], State] | None = None
+
+
+def _held_out_loss(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean cross entropy over fixed held-out batches (eval mode: no dropout), in float64."""
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in batches:
+            logits = model(x) if y.dim() > 1 else model.head(model.trunk(x).mean(1))
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
+            )
+            total += float(loss.double())
+            count += y.numel()
+    model.train()
+    return total / count
+
+
+def _load(model: nn.Module, opt: Any, sched: Any, state: State) -> None:
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
 
 
 def run_gpt_fp32(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]) -> RunResult:
     """GPT trained from scratch in fp32 with AdamW and warmup + cosine LR."""
     torch.manual_seed(1)
-    data = sample_chain(markov_chain(size.vocab, 11), 4096, size.seq + 1, 12)
+    chain = markov_chain(size.vocab, 11)
+    data = sample_chain(chain, 4096, size.seq + 1, 12)
     g = torch.Generator().manual_seed(13)
-    model = Transformer(size, causal=True, out=size.vocab, dropout=0.1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     total = n_ckpt * every
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(every, total))
-    ckpts: list[tuple[int, State]] = []
-    losses: list[float] = []
-    model.train()
-    for step in range(1, total + 1):
-        xy = _batch(data, size.batch, g)
-        logits = model(xy[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, size.vocab), xy[:, 1:].reshape(-1))
-        losses.append(_step(model, opt, sched, loss))
-        if step % every == 0:
-            ckpts.append((step, _snapshot(_state(model, opt, sched, step))))
-            log(f"    step {step:4d} loss {sum(losses[-every:]) / every:.3f}")
-    return RunResult("gpt-scratch-fp32", n_params(model), ckpts, losses)
+
+    def make() -> tuple[nn.Module, Any, Any]:
+        model = Transformer(size, causal=True, out=size.vocab, dropout=0.1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(every, total))
+        return model, opt, sched
+
+    def train(
+        model: nn.Module, opt: Any, sched: Any, g: torch.Generator, first: int, res: RunResult
+    ) -> None:
+        model.train()
+        for step in range(first, total + 1):
+            xy = _batch(data, size.batch, g)
+            logits = model(xy[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, size.vocab), xy[:, 1:].reshape(-1))
+            res.losses.append(_step(model, opt, sched, loss))
+            if step % every == 0:
+                res.checkpoints.append((step, _snapshot(_state(model, opt, sched, step))))
+                res.gens.append(g.get_state())
+                log(f"    step {step:4d} loss {sum(res.losses[-every:]) / every:.3f}")
+
+    model, opt, sched = make()
+    res = RunResult("gpt-scratch-fp32", n_params(model), [], [])
+    train(model, opt, sched, g, 1, res)
+    held: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def evaluate(state: State) -> float:
+        if not held:
+            xy = sample_chain(chain, 256, size.seq + 1, 99)
+            held.extend((b[:, :-1], b[:, 1:]) for b in xy.split(64))
+        model = make()[0]
+        model.load_state_dict(state["model"])
+        return _held_out_loss(model, held)
+
+    def resume(state: State, gen: torch.Tensor) -> State:
+        model, opt, sched = make()
+        _load(model, opt, sched, state)
+        g = torch.Generator()
+        g.set_state(gen)
+        out = RunResult(res.name, res.params, [], [])
+        train(model, opt, sched, g, state["step"] + 1, out)
+        return _state(model, opt, sched, total)
+
+    res.evaluate, res.resume = evaluate, resume
+    return res
 
 
 def run_gpt_bf16(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]) -> RunResult:
@@ -365,21 +425,55 @@ def run_finetune(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]
     missing, unexpected = model.load_state_dict(trunk, strict=False)
     assert not unexpected and all(k.startswith("head.") for k in missing)  # a fresh head
     del lm, opt, sched
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.01)
     total = n_ckpt * every
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(every, total))
-    ckpts: list[tuple[int, State]] = []
-    losses: list[float] = []
-    model.train()
-    for step in range(1, total + 1):
-        idx = torch.randint(0, xs.shape[0], (size.batch,), generator=g)
-        logits = model.head(model.trunk(xs[idx]).mean(1))
-        loss = F.cross_entropy(logits, ys[idx])
-        losses.append(_step(model, opt, sched, loss))
-        if step % every == 0:
-            ckpts.append((step, _snapshot(_state(model, opt, sched, step))))
-            log(f"    finetune step {step:4d} loss {sum(losses[-every:]) / every:.3f}")
-    return RunResult("finetune-fp32", n_params(model), ckpts, losses)
+
+    def optimizer(model: nn.Module) -> tuple[Any, Any]:
+        opt = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.01)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(every, total))
+
+    def train(
+        model: nn.Module, opt: Any, sched: Any, g: torch.Generator, first: int, res: RunResult
+    ) -> None:
+        model.train()
+        for step in range(first, total + 1):
+            idx = torch.randint(0, xs.shape[0], (size.batch,), generator=g)
+            logits = model.head(model.trunk(xs[idx]).mean(1))
+            loss = F.cross_entropy(logits, ys[idx])
+            res.losses.append(_step(model, opt, sched, loss))
+            if step % every == 0:
+                res.checkpoints.append((step, _snapshot(_state(model, opt, sched, step))))
+                res.gens.append(g.get_state())
+                log(f"    finetune step {step:4d} loss {sum(res.losses[-every:]) / every:.3f}")
+
+    opt, sched = optimizer(model)
+    res = RunResult("finetune-fp32", n_params(model), [], [])
+    train(model, opt, sched, g, 1, res)
+    held: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def fresh() -> nn.Module:
+        return Transformer(big, causal=False, out=classes, dropout=0.1)
+
+    def evaluate(state: State) -> float:
+        if not held:  # unseen sequences of the same 4 chains
+            for c in range(classes):
+                x = zipf_chain(domain[c * band : (c + 2) * band], 31 + c)(128, size.seq, 51 + c)
+                held.append((x, torch.full((128,), c)))
+        model = fresh()
+        model.load_state_dict(state["model"])
+        return _held_out_loss(model, held)
+
+    def resume(state: State, gen: torch.Tensor) -> State:
+        model = fresh()
+        opt, sched = optimizer(model)
+        _load(model, opt, sched, state)
+        g = torch.Generator()
+        g.set_state(gen)
+        out = RunResult(res.name, res.params, [], [])
+        train(model, opt, sched, g, state["step"] + 1, out)
+        return _state(model, opt, sched, total)
+
+    res.evaluate, res.resume = evaluate, resume
+    return res
 
 
 def _state(
