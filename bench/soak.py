@@ -244,10 +244,21 @@ class Record:
         default_factory=lambda: defaultdict(list)
     )
     backlog: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    #: connection failures: (kind, replica, start, end), monotonic seconds
+    cut: list[tuple[str, int, float, float]] = field(default_factory=list)
+    #: each replica's time down: [SIGKILL, restarted] (inf while restarting)
+    down: dict[int, list[list[float]]] = field(default_factory=lambda: defaultdict(list))
 
-    def took(self, kind: str, seconds: float, error: str | None = None) -> None:
+    def took(
+        self, kind: str, seconds: float, error: str | None = None, replica: int | None = None
+    ) -> None:
+        """A request of ``kind`` took ``seconds``; ``error``: how it failed (a connection
+        failure is kept with ``replica``, to be matched with that replica's kills)."""
         with self.lock:
             self.latency[kind].append(seconds)
+            if error == "connection" and replica is not None:
+                now = time.monotonic()
+                self.cut.append((kind, replica, now - seconds, now))
             if error is not None:
                 self.errors[kind][error] += 1
                 if error not in ALLOWED:
@@ -303,6 +314,9 @@ class Soak:
             i = rng.randrange(len(self.replicas))
             with self.lock:
                 self.down.add(i)
+            window = [time.monotonic(), math.inf]
+            with self.rec.lock:
+                self.rec.down[i].append(window)
             self.replicas[i].kill()
             killed = time.monotonic()
             try:
@@ -313,6 +327,7 @@ class Soak:
             finally:
                 with self.lock:
                     self.down.discard(i)
+                window[1] = time.monotonic()
             self.rec.kills.append(
                 {
                     "replica": i,
@@ -344,7 +359,7 @@ class Soak:
                         error = None if code == 200 else f"{code} not_ready"
                     except httpx.TransportError:
                         error = "connection"
-                    self.rec.took("readyz", time.perf_counter() - t, error)
+                    self.rec.took("readyz", time.perf_counter() - t, error, i)
                     self.sample_health(http, i)
 
     def sample_health(self, http: httpx.Client, i: int) -> None:
@@ -352,7 +367,7 @@ class Soak:
         try:
             response = http.get(f"{self.replicas[i].url}/healthz")
         except httpx.TransportError:
-            self.rec.took("healthz", time.perf_counter() - t, "connection")
+            self.rec.took("healthz", time.perf_counter() - t, "connection", i)
             return
         ok = response.status_code == 200
         self.rec.took("healthz", time.perf_counter() - t, None if ok else f"{response.status_code}")
@@ -385,7 +400,7 @@ class Soak:
                     raise
                 except Exception as exc:
                     error = classify(exc)
-                    self.rec.took(kind, time.perf_counter() - t, error)
+                    self.rec.took(kind, time.perf_counter() - t, error, i)
                     if error not in ALLOWED or time.monotonic() > deadline:
                         raise
                     n += 1
@@ -483,25 +498,24 @@ class Soak:
         while not self.stop.is_set():
             mode = modes[n % len(modes)]
             i = rng.randrange(len(self.replicas))
-            self.slow_request(mode, self.replicas[i].url, f"slow-{k}", n + 1, body, len(prefix))
+            self.slow_request(mode, i, f"slow-{k}", n + 1, body, len(prefix))
             n += 1
 
-    def slow_request(
-        self, mode: str, url: str, run: str, step: int, body: bytes, head: int
-    ) -> None:
+    def slow_request(self, mode: str, i: int, run: str, step: int, body: bytes, head: int) -> None:
+        url = self.replicas[i].url
         sent = {"slow_silent": b"", "slow_stall": body[: head + 8], "slow_trickle": body[:16]}[mode]
         t = time.perf_counter()
         try:
             sock = partial_upload(url, run, step, sent, len(body), timeout=60)
         except OSError:
-            self.rec.took(mode, time.perf_counter() - t, "connection")
+            self.rec.took(mode, time.perf_counter() - t, "connection", i)
             return
         try:
             if mode == "slow_trickle":
                 self.trickle(sock, body, len(sent))
             status, answer = read_response(sock, timeout=60)
         except (OSError, ValueError, StopIteration):
-            self.rec.took(mode, time.perf_counter() - t, "connection")  # its replica killed
+            self.rec.took(mode, time.perf_counter() - t, "connection", i)  # its replica killed
             return
         finally:
             sock.close()
@@ -708,6 +722,30 @@ def rss_slope(samples: list[tuple[float, int, float]]) -> dict[str, Any]:
     }
 
 
+def unexplained_cuts(rec: Record, t0: float) -> list[dict[str, Any]]:
+    """The connection failures that no kill explains: their replica was not down (killed,
+    not yet restarted) at any time between the request's start and 1 s after its failure.
+    A response cut short by the service itself (a failed read mid-stream) shows as one."""
+    out = []
+    for kind, replica, start, end in rec.cut:
+        windows = rec.down.get(replica, [])
+        if not any(k <= end + 1.0 and r >= start for k, r in windows):
+            out.append(
+                {
+                    "kind": kind,
+                    "replica": replica,
+                    "at_s": round(start - t0, 2),
+                    "took_s": round(end - start, 3),
+                }
+            )
+    return out
+
+
+#: logged by a replica when a request or a background pass finds data missing or corrupt,
+#: or fails on a bug: each such line fails the soak
+DATA_ERRORS = ("blob_not_found", "corrupt_data", "internal_error", "unhandled error")
+
+
 def latency_table(rec: Record, limits: dict[str, tuple[float, str]]) -> dict[str, Any]:
     out = {}
     for kind in sorted(rec.latency):
@@ -771,6 +809,8 @@ def report(result: dict[str, Any]) -> None:
         f"{s['open_uploads']} open uploads; at the end {s['writing_rows_at_end']} writing rows "
         f"(crashed uploads not yet collected), {s['crashed_uploads_collected']} collected after"
     )
+    cuts = result["unexplained_connection_errors"]
+    print(f"connection errors that no kill explains: {cuts['count']} {cuts['first'][:3]}")
     if result["log_errors"]:
         print("replicas' ERROR log lines (not a check):")
         for message, n in list(result["log_errors"].items())[:8]:
@@ -880,6 +920,9 @@ def main(argv: list[str] | None = None) -> int:
     result["disallowed_errors"] = {
         k: n for k, n in errors.items() if k.split(": ", 1)[1] not in ALLOWED
     }
+    cuts = unexplained_cuts(rec, soak.t0)
+    result["unexplained_connection_errors"] = {"count": len(cuts), "first": cuts[:10]}
+    data_errors = {m: n for m, n in logged.items() if m.startswith(DATA_ERRORS)}
     result["failures"] = rec.failures + final["problems"]
     slopes = [r["slope_mb_per_min"] for r in result["rss"].values()]
     result["checks"] = {
@@ -892,6 +935,8 @@ def main(argv: list[str] | None = None) -> int:
         and store["open_uploads"] == 0
         and store["writing_rows_left"] == 0,
         "latency": all(x["within"] for x in result["latency"].values()),
+        "connection_errors_explained": not cuts,
+        "no_data_errors_logged": not data_errors,
         "rss": args.max_rss_slope is None
         or all(s is not None and s <= args.max_rss_slope for s in slopes),
     }

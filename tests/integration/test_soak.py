@@ -4,7 +4,8 @@ at random about every 40 s.
 
 Guarantees checked, from the soak's JSON and its exit status: no load ever returned other
 bytes than were saved; every request failed only in a way a retry fixes (a killed replica's
-connection errors, a 503), never a 500 or a wrong 404; after a last retention pass each run
+connection errors, a 503), never a 500 or a wrong 404, and no replica logged a missing blob,
+corrupt data or a bug; after a last retention pass each run
 lists exactly the committed steps its policy keeps, each bit-exact; after a collection as
 with grace 0 the bucket holds exactly the blobs the catalog names; each slow client was cut
 with 408 within its bound; no request waited longer than its documented bound.
@@ -55,6 +56,12 @@ def test_two_minute_soak(pg_url: str, s3_endpoint: str, tmp_path: Path) -> None:
     kinds = {key.split(": ", 1)[1] for key in result["errors"]}
     assert kinds <= ALLOWED, result["errors"]
     assert not result["disallowed_errors"] and not result["failures"], result["failures"]
+    # every connection error came from a kill of its replica (not a response cut short by
+    # the service), and no replica logged missing or corrupt data or a bug
+    assert result["unexplained_connection_errors"]["count"] == 0, result[
+        "unexplained_connection_errors"
+    ]
+    assert result["checks"]["no_data_errors_logged"], result["log_errors"]
     # every request kind within its bound; the slow clients were cut (408) each time
     latency = result["latency"]
     assert all(x["within"] for x in latency.values()), latency
