@@ -208,9 +208,10 @@ def _token() -> int:
     return secrets.randbits(63)
 
 
-def _drop_row(db: Database, lease: Lease) -> None:
-    """Delete the lease's row; a failure is logged, not raised: the work under the lock is
-    done (a commit happened or not), and what the caller must see is its outcome."""
+def _drop_row(db: Database, lease: Lease, retried: bool = False) -> bool:
+    """Delete the lease's row; whether that worked. A failure is logged, not raised: the
+    work under the lock is done (a commit happened or not), and what the caller must see is
+    its outcome."""
     try:
         with db.session() as s:
             s.execute(
@@ -221,13 +222,17 @@ def _drop_row(db: Database, lease: Lease) -> None:
                 )
             )
     except Exception as exc:
-        log.warning(
-            "could not release the %s lock of %r (%s: %s): it is taken over once its lease expires",
-            lease.purpose.value,
-            lease.name,
-            type(exc).__name__,
-            exc,
-        )
+        if not retried:
+            log.warning(
+                "could not release the %s lock of %r (%s: %s): released once the database "
+                "answers, or taken over once its lease expires",
+                lease.purpose.value,
+                lease.name,
+                type(exc).__name__,
+                exc,
+            )
+        return False
+    return True
 
 
 class LeaseLocks(RunLocks):
@@ -242,12 +247,16 @@ class LeaseLocks(RunLocks):
     """
 
     _POLL_MAX = 0.25
+    _RELEASE_RETRY_S = 0.5  # how often the heartbeat retries the release of a lock
 
     def __init__(self, db: Database, holder: str | None, lease_s: float = DEFAULT_LEASE_S) -> None:
         self._db = db
         self.holder = holder or uuid.uuid4().hex
         self.lease_s = lease_s
         self._held: dict[int, Lease] = {}  # token -> lease
+        # released by their holder, but their row could not be deleted (the database did
+        # not answer): deleted by the heartbeat, or by the next take of the same lock
+        self._unreleased: dict[tuple[Purpose, str], Lease] = {}
         self._guard = threading.Lock()
         self._stop = threading.Event()
         self._last_renewal_error: str | None = None
@@ -257,6 +266,11 @@ class LeaseLocks(RunLocks):
         self._thread.start()
 
     def _take(self, purpose: Purpose, name: str) -> Lease | None:
+        with self._guard:
+            stale = self._unreleased.pop((purpose, name), None)
+        if stale is not None and not _drop_row(self._db, stale, retried=True):
+            with self._guard:
+                self._unreleased.setdefault((purpose, name), stale)
         lease = Lease(purpose, name, _token())
         expires = func.now() + timedelta(seconds=self.lease_s)
         row = pg_insert(_ROWS).values(
@@ -302,11 +316,28 @@ class LeaseLocks(RunLocks):
         finally:
             with self._guard:
                 self._held.pop(lease.token, None)
-            _drop_row(self._db, lease)
+            if not _drop_row(self._db, lease):
+                with self._guard:
+                    self._unreleased[(purpose, run)] = lease
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(self.lease_s / 3):
-            self.renew()
+        renew_at = time.monotonic() + self.lease_s / 3
+        while not self._stop.wait(min(self._RELEASE_RETRY_S, self.lease_s / 3)):
+            self._release_unreleased()
+            if time.monotonic() >= renew_at:
+                self.renew()
+                renew_at = time.monotonic() + self.lease_s / 3
+
+    def _release_unreleased(self) -> None:
+        """Delete the rows of locks released while the database did not answer: a blip at
+        the end of a save must not block the run's next save for a whole lease."""
+        with self._guard:
+            todo = list(self._unreleased.items())
+        for key, lease in todo:
+            if _drop_row(self._db, lease, retried=True):
+                with self._guard:
+                    if self._unreleased.get(key) is lease:
+                        del self._unreleased[key]
 
     def renew(self) -> None:
         """Extend every lease held; mark those found taken over as lost (logged)."""
