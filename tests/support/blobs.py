@@ -57,7 +57,13 @@ def check_store(svc: Service, client: CheckpointClient) -> int:
     wait_idle(svc.url)
     db = svc.data_dir / "catalog.sqlite3"
     files = blob_files(svc.data_dir)
-    assert set(files) == catalog_blobs(db)
+    named = catalog_blobs(db)
+    assert set(files) == named, (
+        f"blobs no row names: {sorted(set(files) - named)}; "
+        f"named but missing: {sorted(named - set(files))}; "
+        f"on the garbage table: {sorted(garbage_blobs(db))}; "
+        f"the service's log ends with:\n{svc.log.read_text()[-3000:]}"
+    )
     assert not garbage_blobs(db)
     stored = sum(r.stored_bytes for r in client.runs())
     assert sum(files.values()) == stored

@@ -50,10 +50,9 @@ import logging
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, Future
-from contextlib import AbstractContextManager, ExitStack
+from collections.abc import Callable
+from concurrent.futures import Executor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import partial
@@ -80,7 +79,9 @@ from ckptstore_service.maintenance.rewrite import (
     checkpoint_figures,
     drop_new_blobs,
     new_depths,
+    polled,
     rewrite_blob,
+    run_bounded,
 )
 from ckptstore_service.names import blob_key
 from ckptstore_service.storage import BlobStore
@@ -190,21 +191,6 @@ def apply_archival(
     return done
 
 
-@contextlib.contextmanager
-def _polled(
-    take: Callable[[], AbstractContextManager[object]], stop: threading.Event | None
-) -> Iterator[None]:
-    """A lock taken in short non-blocking tries: a shutdown does not wait on a long save."""
-    while True:
-        with take() as held:
-            if held:
-                yield
-                return
-        if stop is not None and stop.is_set():
-            raise Stopped
-        time.sleep(0.05)
-
-
 def archive_checkpoint(
     catalog: Catalog,
     store: BlobStore,
@@ -225,8 +211,8 @@ def archive_checkpoint(
     that fails changes no row and deletes what it wrote."""
     t0 = time.perf_counter()
     with ExitStack() as held:
-        held.enter_context(_polled(partial(catalog.reroot_lock, run, blocking=False), stop))
-        held.enter_context(_polled(partial(catalog.run_lock, run, blocking=False), stop))
+        held.enter_context(polled(partial(catalog.reroot_lock, run, blocking=False), stop))
+        held.enter_context(polled(partial(catalog.run_lock, run, blocking=False), stop))
         retention = effective_policy(catalog, run, default)
         infos = catalog.list_checkpoints(run)
         x = next((i for i in infos if i.step == step), None)
@@ -574,31 +560,13 @@ def _run_jobs(
     tensors they cover; returns the new checksum of each tensor whose bytes changed.
     ``stop`` abandons the work between two jobs."""
     hashers: dict[int, xxhash.xxh3_128] = {}
-    pending: deque[tuple[int, Future[_Done]]] = deque()
-    held = 0
 
-    def take() -> None:
-        nonlocal held
-        size, fut = pending.popleft()
-        held -= size
-        done = fut.result()
+    def take(done: _Done) -> None:
         for r in done.rewrites:
             spools.add(r)
         hashers.setdefault(done.tensor_idx, xxhash.xxh3_128()).update(done.data)
 
-    try:
-        for size, job in jobs:
-            if stop is not None and stop.is_set():
-                raise Stopped
-            while pending and held + size > bytes_in_flight:
-                take()
-            pending.append((size, pool.submit(job)))
-            held += size
-        while pending:
-            take()
-    finally:
-        for _, fut in pending:
-            fut.cancel()
+    run_bounded(jobs, take, pool, stop, bytes_in_flight)
     by_idx = {t.idx: t for t in tensors}
     out = {}
     for idx, h in hashers.items():

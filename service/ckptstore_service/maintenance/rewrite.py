@@ -33,8 +33,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor, Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
-from typing import IO
+from functools import partial
+from typing import IO, TypeVar
 
 from ckptstore_core import codec
 from ckptstore_core.errors import CorruptData
@@ -53,11 +55,14 @@ __all__ = [
     "drop_new_blobs",
     "encode_all",
     "new_depths",
+    "polled",
     "polled_run_lock",
     "rewrite_blob",
+    "run_bounded",
 ]
 
 log = logging.getLogger("ckptstore")
+T = TypeVar("T")
 
 
 class Stopped(Exception):
@@ -148,26 +153,44 @@ def encode_all(
     """Run the encoding ``jobs`` (each: the raw bytes it holds at once, and a function
     returning its rewrites) in ``pool``, as many at a time as fit ``bytes_in_flight``, and
     spool their results; ``stop``, when set, abandons the work between two jobs."""
-    pending: deque[tuple[int, Future[list[Rewrite]]]] = deque()
+
+    def spool(rewrites: list[Rewrite]) -> None:
+        for r in rewrites:
+            spools.add(r)
+
+    run_bounded(jobs, spool, pool, stop, bytes_in_flight)
+
+
+def run_bounded(
+    jobs: Iterable[tuple[int, Callable[[], T]]],
+    take: Callable[[T], None],
+    pool: Executor,
+    stop: threading.Event | None,
+    bytes_in_flight: int,
+) -> None:
+    """Run ``jobs`` (each: the bytes it holds at once, and its function) in ``pool``, as
+    many at a time as fit ``bytes_in_flight``, handing each result to ``take`` in the jobs'
+    order; ``stop``, when set, abandons the work between two jobs (Stopped). A job that
+    failed raises its error here; the jobs not started yet are cancelled."""
+    pending: deque[tuple[int, Future[T]]] = deque()
     held = 0
 
-    def take() -> None:
+    def next_result() -> None:
         nonlocal held
         size, fut = pending.popleft()
         held -= size
-        for r in fut.result():
-            spools.add(r)
+        take(fut.result())
 
     try:
         for size, job in jobs:
             if stop is not None and stop.is_set():
                 raise Stopped
             while pending and held + size > bytes_in_flight:
-                take()
+                next_result()
             pending.append((size, pool.submit(job)))
             held += size
         while pending:
-            take()
+            next_result()
     finally:
         for _, fut in pending:
             fut.cancel()
@@ -255,14 +278,25 @@ def drop_new_blobs(catalog: Catalog, store: BlobStore, keys: Iterable[str]) -> N
             log.warning("cannot delete blob %r of a failed rewrite yet: %s", key, exc)
 
 
-@contextlib.contextmanager
-def polled_run_lock(catalog: Catalog, run: str, stop: threading.Event | None) -> Iterator[None]:
+def polled_run_lock(
+    catalog: Catalog, run: str, stop: threading.Event | None
+) -> AbstractContextManager[object]:
     """The run's lock, waited for in short tries so that a shutdown does not wait for a
     long save to end."""
+    return polled(partial(catalog.run_lock, run, blocking=False), stop)
+
+
+@contextlib.contextmanager
+def polled(
+    take: Callable[[], AbstractContextManager[T]], stop: threading.Event | None
+) -> Iterator[T]:
+    """A lock taken in short non-blocking tries (``take()`` yields something false while
+    another holds it): a shutdown (``stop``) does not wait on a long save, it raises
+    Stopped. Yields what ``take()`` yielded."""
     while True:
-        with catalog.run_lock(run, blocking=False) as held:
+        with take() as held:
             if held:
-                yield
+                yield held
                 return
         if stop is not None and stop.is_set():
             raise Stopped
