@@ -1,6 +1,5 @@
-"""Two faults the soak (bench/soak.py, issue 21 item 8) found, each made deterministic here:
-strict ``xfail`` until the service is fixed (the fix turns them into passes, and the mark
-must then go).
+"""Two faults the soak (bench/soak.py, issue 21 item 8) found, each made deterministic here
+(both fixed: each test failed before its fix).
 
 1. The start-up collection of crashed uploads deletes the blob of a save that committed
    after the collection listed its ``writing`` row: it lists the rows once, then takes each
@@ -33,11 +32,6 @@ from ckptstore_service.names import blob_key
 from ckptstore_service.storage.local import LocalBlobStore
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="collect_crashed_uploads does not check, under the run's lock, that a listed row "
-    "is still writing (found by the soak)",
-)
 def test_the_crash_collection_keeps_the_blob_of_a_save_that_committed_since_its_listing(
     catalog: Catalog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -69,10 +63,6 @@ def test_the_crash_collection_keeps_the_blob_of_a_save_that_committed_since_its_
 
 
 @pytest.mark.postgres
-@pytest.mark.xfail(
-    strict=True,
-    reason="LeaseLocks.renew counts a lease being taken as one taken over (found by the soak)",
-)
 def test_a_renewal_while_a_lock_is_being_taken_loses_nothing(
     pg_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -307,6 +307,11 @@ class Catalog:
     def abort_upload(self, checkpoint_id: int) -> None:
         uploads.abort(self._db, checkpoint_id)
 
+    def is_writing(self, checkpoint_id: int) -> bool:
+        """Whether ``checkpoint_id`` is still an upload's ``writing`` row: what a collector
+        that listed it checks again under the run's lock (the upload may have committed)."""
+        return uploads.is_writing(self._db, checkpoint_id)
+
     def uploads_in_progress(self) -> list[tuple[int, str, str, datetime]]:
         """``(checkpoint_id, run, blob_key, created_at)`` of every ``writing`` row."""
         return uploads.uploads_in_progress(self._db)

@@ -254,6 +254,7 @@ class LeaseLocks(RunLocks):
         self.holder = holder or uuid.uuid4().hex
         self.lease_s = lease_s
         self._held: dict[int, Lease] = {}  # token -> lease
+        self._taking: set[int] = set()  # held tokens whose row may not exist yet
         # released by their holder, but their row could not be deleted (the database did
         # not answer): deleted by the heartbeat, or by the next take of the same lock
         self._unreleased: dict[tuple[Purpose, str], Lease] = {}
@@ -287,6 +288,7 @@ class LeaseLocks(RunLocks):
         ).returning(_ROWS.c.token)
         with self._guard:  # registered before the row exists: the heartbeat renews it
             self._held[lease.token] = lease
+            self._taking.add(lease.token)  # and does not count it lost until it exists
         try:
             with self._db.session() as s:
                 got = s.execute(stmt).scalar()
@@ -294,6 +296,9 @@ class LeaseLocks(RunLocks):
             with self._guard:
                 self._held.pop(lease.token, None)
             raise
+        finally:
+            with self._guard:
+                self._taking.discard(lease.token)
         if got is None:
             with self._guard:
                 self._held.pop(lease.token, None)
@@ -343,6 +348,7 @@ class LeaseLocks(RunLocks):
         """Extend every lease held; mark those found taken over as lost (logged)."""
         with self._guard:
             held = dict(self._held)
+            taking = set(self._taking)  # a renewal that misses these proves nothing
         if not held:
             return
         try:
@@ -368,8 +374,8 @@ class LeaseLocks(RunLocks):
         with self._guard:
             current = set(self._held)
         for token, lease in held.items():
-            if token in kept or token not in current:  # kept, or released meanwhile
-                continue
+            if token in kept or token not in current or token in taking:
+                continue  # kept, released meanwhile, or its row was still being written
             cause = self._last_renewal_error or "no renewal reached the database in time"
             lease.lost = (
                 f"its {self.lease_s:g} s lease expired and another writer took it over; "

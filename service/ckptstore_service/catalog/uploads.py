@@ -38,7 +38,15 @@ from ckptstore_service.catalog.models import (
 )
 from ckptstore_service.catalog.records import NewChunk, TensorInfo
 
-__all__ = ["Figures", "abort", "begin", "commit", "insert_rows", "uploads_in_progress"]
+__all__ = [
+    "Figures",
+    "abort",
+    "begin",
+    "commit",
+    "insert_rows",
+    "is_writing",
+    "uploads_in_progress",
+]
 
 # Core tables rather than ORM entities: the ORM's bulk path costs ~5x the CPU per row, and a
 # checkpoint has thousands of chunks.
@@ -175,6 +183,16 @@ def abort(db: Database, checkpoint_id: int) -> None:
         s.execute(
             delete(Checkpoint).where(Checkpoint.id == checkpoint_id, Checkpoint.status == WRITING)
         )
+
+
+def is_writing(db: Database, checkpoint_id: int) -> bool:
+    """Whether row ``checkpoint_id`` is still an upload's ``writing`` row (not committed
+    since, nor gone)."""
+    query = select(Checkpoint.id).where(
+        Checkpoint.id == checkpoint_id, Checkpoint.status == WRITING
+    )
+    with db.session() as s:
+        return s.execute(query).first() is not None
 
 
 def uploads_in_progress(db: Database) -> list[tuple[int, str, str, datetime]]:

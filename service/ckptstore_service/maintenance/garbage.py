@@ -76,15 +76,18 @@ def collect_crashed_uploads(catalog: Catalog, store: BlobStore, incomplete_ttl_s
     """Delete the blobs and rows of uploads whose writer is gone; returns how many. Run at
     start-up, before the first request.
 
-    A ``writing`` row whose run lock can be taken has no live writer (a live upload holds
-    the lock for its whole duration, on every replica), so its bytes are orphans. Partial
+    A ``writing`` row whose run lock can be taken, and that is still ``writing`` once it is
+    (the listing came before: a save may have committed since), has no live writer (a live
+    upload holds the lock for its whole duration, on every replica), so its bytes are
+    orphans. Partial
     writes older than ``incomplete_ttl_s`` go too. A store that refuses is logged, never
     raised.
     """
     dead = []
     for checkpoint_id, run, blob_key, _created in catalog.uploads_in_progress():
         with catalog.run_lock(run, blocking=False) as held:
-            if not held:
+            # looked at again under the lock: the upload may have committed since the listing
+            if not held or not catalog.is_writing(checkpoint_id):
                 continue
             try:
                 store.abort_incomplete([blob_key])
