@@ -44,6 +44,7 @@ ENV = {
     "CKPTSTORE_GARBAGE_GRACE_S": "0",
     # small chunks: each tensor several chunks, refs (the frozen embedding) across the run
     "CKPTSTORE_CHUNK_BYTES": str(64 << 10),
+    "CKPTSTORE_SWEEP_INTERVAL_S": "2",  # what a pass leaves (check_store waits for it)
 }
 STEPS = 10
 

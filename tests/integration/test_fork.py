@@ -33,6 +33,7 @@ ENV = {
     "CKPTSTORE_KEYFRAME_INTERVAL": "4",  # keyframes at steps 0, 4, 8
     "CKPTSTORE_GARBAGE_GRACE_S": "0",
     "CKPTSTORE_CHUNK_BYTES": str(64 << 10),  # several chunks per tensor, refs of the frozen
+    "CKPTSTORE_SWEEP_INTERVAL_S": "2",  # what a pass leaves (check_store waits for it)
 }
 
 

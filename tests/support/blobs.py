@@ -10,6 +10,7 @@ from sqlalchemy import create_engine, text
 
 from ckptstore import CheckpointClient
 from support.serviceproc import Service, wait_idle
+from support.waiting import poll
 
 __all__ = ["blob_files", "catalog_blobs", "check_store", "garbage_blobs", "named_blobs"]
 
@@ -50,12 +51,19 @@ def garbage_blobs(db_file: Path) -> set[str]:
         return {k for (k,) in db.execute("SELECT blob_key FROM garbage")}
 
 
-def check_store(svc: Service, client: CheckpointClient) -> int:
+def check_store(svc: Service, client: CheckpointClient, timeout: float = 30.0) -> int:
     """Once the service (SQLite + local folder) collected its garbage (grace 0): the blob
     folder holds exactly the blobs the catalog names, as many bytes as the listings say.
-    Returns that total."""
+    Returns that total. The run's pass collects its garbage (``wait_idle``); a pass that
+    found the run's re-root lock taken leaves it to the next sweep, which the check waits
+    for (``timeout``: set ``CKPTSTORE_SWEEP_INTERVAL_S`` below it)."""
     wait_idle(svc.url)
     db = svc.data_dir / "catalog.sqlite3"
+
+    def settled() -> bool:
+        return set(blob_files(svc.data_dir)) == catalog_blobs(db) and not garbage_blobs(db)
+
+    poll(settled, timeout, interval=0.2)
     files = blob_files(svc.data_dir)
     named = catalog_blobs(db)
     assert set(files) == named, (
