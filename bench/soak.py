@@ -222,7 +222,11 @@ def classify(exc: BaseException) -> str:
     if isinstance(exc, CkptStoreError):
         if exc.code == "service_unavailable":  # the client could not reach the replica
             return "connection"
-        return f"{exc.status} {exc.code}"
+        code = exc.code
+        text = str(exc)
+        if type(exc) is CkptStoreError and text.startswith("["):  # a code the client lacks
+            code = text[1:].partition("]")[0]
+        return f"{exc.status} {code}"
     if isinstance(exc, OSError | http.client.HTTPException):
         return "connection"
     return type(exc).__name__
