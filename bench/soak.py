@@ -29,7 +29,8 @@ are the retriable kinds allowed; anything else fails the soak.
 
 Then the checks (the exit status is 1 if any fails):
 
-* ``exact``: no load ever returned other bytes than saved, and no disallowed error;
+* ``exact``: no load ever returned other bytes than saved; ``no_disallowed_errors`` and
+  ``no_failures``: no other failure (the load stops at the first one);
 * ``retention``: once a last retention pass ran, each run lists exactly the committed steps
   its policy keeps (``ckptstore_core.retention.kept_steps``), and each of them loads
   bit-exactly; the slow clients' runs hold nothing;
@@ -39,6 +40,11 @@ Then the checks (the exit status is 1 if any fails):
 * ``latency``: the longest request of each kind is within its documented bound (printed
   beside it; from the settings the replicas run with: docs/configuration.md and
   docs/deployment.md);
+* ``connection_errors_explained``: every connection error happened while its replica was
+  down (killed, not yet restarted); one that no kill explains is a response the service
+  cut short;
+* ``no_data_errors_logged``: no replica logged ``blob_not_found``, ``corrupt_data``,
+  ``internal_error`` or an unhandled error (its other ERROR lines are counted, a figure);
 * ``rss``: printed per replica as a slope in MB/min (a least-squares fit over each
   incarnation's samples after its first 20 s, pooled: a restart does not count as a
   drop); checked against ``--max-rss-slope`` only when given.
