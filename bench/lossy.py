@@ -212,22 +212,26 @@ def _label(p: Lossy) -> str:
 
 
 def settings(default: Lossy) -> list[Setting]:
-    """The sweep: weight pruning from none to 95% (moments at 95%), the default, and the
-    default and no weight pruning with exact moments; those four are also resumed from.
-    ExCP at the reference code's alpha and at a stronger one."""
+    """The sweep: weight pruning from none to 95% (moments at 95%); the default, no weight
+    pruning and the first defaults (0.9/0.9), each also with exact moments (all resumed
+    from); without weight pruning, moment pruning from 80% to 99% (resumed from) and 3 or 6
+    index bits. ExCP at the reference code's alpha and at a stronger one."""
     no_prune = Lossy(weight_prune=0.0, moment_prune=0.95)
+    first = Lossy(weight_prune=0.9, moment_prune=0.9)  # the defaults before the benchmark
     ours = [
         no_prune,
         Lossy(weight_prune=0.5, moment_prune=0.95),
         Lossy(weight_prune=0.8, moment_prune=0.95),
         Lossy(weight_prune=0.95, moment_prune=0.98),
+        first,
+        default,
     ]
-    if default not in ours:
-        ours.insert(4, default)
-    resumed = [default, no_prune]
-    for p in list(resumed):
-        resumed.append(replace(p, exact_moments=True))
-    ours += [p for p in resumed if p not in ours]
+    resumed = [default, no_prune, first]
+    resumed += [replace(p, exact_moments=True) for p in resumed]
+    moments = [replace(no_prune, moment_prune=m) for m in (0.8, 0.9, 0.99)]
+    resumed += moments
+    bits = [replace(no_prune, bits=3), replace(no_prune, bits=6), Lossy(0.0, 0.99, 6)]
+    ours = list(dict.fromkeys([*ours, *resumed, *bits]))  # in order, once each
     out = [Setting("ours", _label(p), p, resume=p in resumed) for p in ours]
     grid = ((5e-5, 2.0), (1e-3, 2.0))
     out += [Setting("excp", q.label(), q) for q in (excp.ExCP(a, b) for a, b in grid)]
