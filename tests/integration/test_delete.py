@@ -25,12 +25,11 @@ from ckptstore_core.errors import (
     StorageUnavailable,
 )
 from ckptstore_service.catalog import Catalog
-from ckptstore_service.maintenance import RerootPolicy, collect_garbage
+from ckptstore_service.maintenance import RerootPolicy
 from ckptstore_service.maintenance.delete import delete_checkpoint
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
-from ckptstore_service.storage import open_blob_store
-from support.blobs import blob_files, catalog_blobs, check_store, garbage_blobs
+from support.blobs import blob_files, catalog_blobs, check_store, collect_all, garbage_blobs
 from support.parts import commit, save_in_parts, shards, tensors_of
 from support.s3server import s3_store
 from support.serviceproc import Service, wait_idle
@@ -244,16 +243,7 @@ def test_sigkill_during_a_delete_loses_nothing(
     svc.stop()
     named = catalog_blobs(db)
     assert set(blob_files(data)) <= named | garbage_blobs(db)
-    # the new blobs' rows are due once a crashed upload's time is over: collect as then
-    settings = Settings(data_dir=data)
-    catalog = Catalog(settings.resolved_database_url())
-    store = open_blob_store(settings.resolved_blob_url())
-    try:
-        later = datetime.now(UTC) + timedelta(seconds=settings.incomplete_upload_ttl_s + 1)
-        collect_garbage(catalog, store, None, now=later)
-    finally:
-        store.close()
-        catalog.close()
+    collect_all(data)  # the new blobs' rows are due once a crashed upload's time is over
     assert set(blob_files(data)) == named
     svc.start()
     if steps[0] == 0:

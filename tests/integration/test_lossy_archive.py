@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +21,8 @@ import torch
 from ckptstore import CheckpointClient
 from ckptstore_core.lossy import Lossy
 from ckptstore_core.retention import RetentionPolicy
-from ckptstore_service.catalog import Catalog
-from ckptstore_service.maintenance import collect_garbage
 from ckptstore_service.maintenance.archive import PAUSE_ENV
-from ckptstore_service.settings import Settings
-from ckptstore_service.storage import open_blob_store
-from support.blobs import blob_files, catalog_blobs, check_store, garbage_blobs
+from support.blobs import blob_files, catalog_blobs, check_store, collect_all, garbage_blobs
 from support.serviceproc import Service, wait_idle
 from support.states import assert_same_state, training_states
 from support.waiting import wait_until
@@ -138,20 +133,6 @@ def named_not_committed(data: Path) -> set[str]:
     of a conversion that has not committed."""
     db = data / "catalog.sqlite3"
     return (garbage_blobs(db) - catalog_blobs(db)) & set(blob_files(data))
-
-
-def collect_all(data: Path) -> None:
-    """Collect every blob on the garbage table, those of an interrupted conversion included
-    (due once a crashed upload's time is over: collected as then)."""
-    settings = Settings(data_dir=data)
-    catalog = Catalog(settings.resolved_database_url())
-    store = open_blob_store(settings.resolved_blob_url())
-    try:
-        later = datetime.now(UTC) + timedelta(seconds=settings.incomplete_upload_ttl_s + 1)
-        collect_garbage(catalog, store, None, now=later)
-    finally:
-        store.close()
-        catalog.close()
 
 
 @pytest.mark.slow

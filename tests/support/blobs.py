@@ -4,6 +4,7 @@ after a collection with grace 0 (nothing orphaned, nothing lost)."""
 from __future__ import annotations
 
 import sqlite3
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import create_engine, text
@@ -76,3 +77,23 @@ def check_store(svc: Service, client: CheckpointClient, timeout: float = 30.0) -
     stored = sum(r.stored_bytes for r in client.runs())
     assert sum(files.values()) == stored
     return stored
+
+
+def collect_all(data: Path) -> None:
+    """With the service of ``data`` (SQLite + local folder) stopped: collect every blob on
+    its garbage table, those of an interrupted rewrite included (named before they exist,
+    due once a crashed upload's time is over: collected as then)."""
+    from ckptstore_service.catalog import Catalog
+    from ckptstore_service.maintenance import collect_garbage
+    from ckptstore_service.settings import Settings
+    from ckptstore_service.storage import open_blob_store
+
+    settings = Settings(data_dir=data)
+    catalog = Catalog(settings.resolved_database_url())
+    store = open_blob_store(settings.resolved_blob_url())
+    try:
+        later = datetime.now(UTC) + timedelta(seconds=settings.incomplete_upload_ttl_s + 1)
+        collect_garbage(catalog, store, None, now=later)
+    finally:
+        store.close()
+        catalog.close()
