@@ -18,7 +18,7 @@ from sqlalchemy import func, select, update
 from ckptstore_core.errors import CheckpointNotFound, CheckpointPinned, CorruptData
 from ckptstore_service.catalog.db import Database
 from ckptstore_service.catalog.garbage import RerootChanges, apply_rewrite
-from ckptstore_service.catalog.lifecycle import _count_since_keyframe
+from ckptstore_service.catalog.lifecycle import _count_since_keyframe, _runs_of
 from ckptstore_service.catalog.models import COMMITTED, Checkpoint, TensorRow
 
 __all__ = ["ArchiveChanges", "commit_archive"]
@@ -80,8 +80,4 @@ def commit_archive(db: Database, run: str, changes: ArchiveChanges) -> None:
         s.execute(
             update(Checkpoint).where(Checkpoint.id == x).values(lossy_json=changes.lossy_json)
         )
-        ids = [c.id for c in changes.rewrite.checkpoints]
-        runs = {row.run_id}
-        if ids:
-            runs |= set(s.scalars(select(Checkpoint.run_id).where(Checkpoint.id.in_(ids))))
-        _count_since_keyframe(s, {int(r) for r in runs})
+        _count_since_keyframe(s, {row.run_id, *_runs_of(s, changes.rewrite)})

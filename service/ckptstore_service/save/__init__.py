@@ -31,12 +31,17 @@ import logging
 import time
 from collections.abc import Iterable
 
-from ckptstore_core.records import LOSSY_KEY
 from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog, CheckpointRecord, Lease
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.save.encode import FileBases
-from ckptstore_service.save.header import Incoming, open_body, same_content, wait_for_data
+from ckptstore_service.save.header import (
+    Incoming,
+    open_body,
+    same_content,
+    stored_metadata,
+    wait_for_data,
+)
 from ckptstore_service.save.plan import LossySave, same_offsets
 from ckptstore_service.save.store import ChunkStore, planner_for
 from ckptstore_service.save.upload import UploadTransaction
@@ -115,7 +120,7 @@ class Saver:
                 raw_bytes=header.data_len,
                 stored_bytes=stored_bytes,
                 # what was done is the checkpoint's ``lossy``, not what was asked
-                metadata={k: v for k, v in header.metadata.items() if k != LOSSY_KEY},
+                metadata=stored_metadata(header.metadata),
                 tensors=stored.tensors,
                 chunks=stored.chunks,
                 sibling_bases=stored.siblings,

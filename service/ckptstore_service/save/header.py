@@ -30,6 +30,7 @@ __all__ = [
     "open_body",
     "read_header",
     "same_content",
+    "stored_metadata",
     "wait_for_data",
 ]
 
