@@ -129,11 +129,22 @@ def kill_a_rank_mid_save(svc: Service, engine: Engine, out: Path) -> dict[int, i
     codes: dict[int, int | None] = {}
     try:
         in_progress = dict.fromkeys(SURVIVORS, "done") | {f"rank-{VICTIM}": "writing"}
-        wait_until(
-            lambda: step_rows(engine, 2).by_rank() == in_progress,
-            timeout=60,
-            what=f"rank {VICTIM}'s part of step 2 uploading, the others' done",
-        )
+        seen: list[dict[str, str]] = [{}]
+
+        def victim_mid_part() -> bool:
+            seen[0] = step_rows(engine, 2).by_rank()
+            return seen[0] == in_progress
+
+        # three ranks import torch, form a group and save step 1 first: on a loaded 2-core
+        # machine with a cold page cache that alone took over a minute
+        try:
+            wait_until(victim_mid_part, timeout=180)
+        except AssertionError:
+            alive = [p.exitcode is None for p in context.processes]
+            raise AssertionError(
+                f"rank {VICTIM}'s part of step 2 never seen uploading with the others' done:"
+                f" last parts {seen[0]}, ranks alive {alive}, files {sorted(os.listdir(out))}"
+            ) from None
         os.kill(context.processes[VICTIM].pid, signal.SIGKILL)
         for rank, proc in enumerate(context.processes):
             proc.join(GROUP_TIMEOUT_S + 10)
