@@ -73,9 +73,10 @@ def _open_catalog(args: argparse.Namespace) -> Catalog | None:
     why it cannot be opened."""
     from ckptstore_service.catalog import Catalog
 
-    url = args.database_url or _settings().resolved_database_url()
+    settings = _settings()
+    url = args.database_url or settings.resolved_database_url()
     try:
-        return Catalog(url)
+        return Catalog(url, timeout_s=settings.database_timeout_s)
     except ValueError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return None

@@ -124,6 +124,7 @@ class Runtime:
             settings.resolved_database_url(),
             holder=replica_name(settings.data_dir),
             lease_s=settings.lock_lease_s,
+            timeout_s=settings.database_timeout_s,
         )
         if settings.auto_migrate:
             catalog.upgrade()

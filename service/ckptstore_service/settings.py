@@ -87,6 +87,16 @@ class Settings(BaseSettings):
         "fails a save or load with 503 storage_unavailable within about this "
         "(docs/deployment.md).",
     )
+    database_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="PostgreSQL: longest wait for one database call (a statement, a commit, "
+        "the check of a pooled connection) and, in whole seconds (at least 2), to open a "
+        "connection (libpq's connect_timeout, unless the URL sets one). A call past it has "
+        "its connection cut: a stalled database fails a request with 503 "
+        "storage_unavailable within about twice this (docs/operations.md). Schema "
+        "migrations are exempt.",
+    )
     readiness_timeout_s: float = Field(
         default=3.0,
         gt=0,

@@ -5,6 +5,7 @@ dataclasses (:mod:`.records`), never ORM objects, so callers hold no session acr
 upload. :class:`Catalog` is the one object callers use; behind it, one module per concern:
 
 * :mod:`.db`: engine, transactions, migrations, errors -> StorageUnavailable
+* :mod:`.deadline`: PostgreSQL: a client-side deadline on every call of the database
 * :mod:`.locks`: run locks, one interface, a backend per kind of database
 * :mod:`.checkpoints`: runs and committed checkpoints (look-ups, listings)
 * :mod:`.uploads`: the upload protocol (begin -> commit | abort)
@@ -39,7 +40,7 @@ from ckptstore_service.catalog import (
     retention,
     uploads,
 )
-from ckptstore_service.catalog.db import Database, shown_url
+from ckptstore_service.catalog.db import DEFAULT_TIMEOUT_S, Database, shown_url
 from ckptstore_service.catalog.lifecycle import DeleteChanges, PartBlob
 from ckptstore_service.catalog.locks import DEFAULT_LEASE_S, Lease, Purpose, open_run_locks
 from ckptstore_service.catalog.parts import PartRecord
@@ -76,12 +77,18 @@ class Catalog:
     ``holder`` names this process's run locks (default: a random name; a replica passes a
     name kept in its data folder, so that it releases at start-up what it held when it
     died: :meth:`release_own_locks`); ``lease_s``: PostgreSQL's lock lease
-    (:class:`~.locks.LeaseLocks`)."""
+    (:class:`~.locks.LeaseLocks`); ``timeout_s``: PostgreSQL's longest wait for one call
+    (:class:`~.db.Database`)."""
 
     def __init__(
-        self, url: str, *, holder: str | None = None, lease_s: float = DEFAULT_LEASE_S
+        self,
+        url: str,
+        *,
+        holder: str | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self._db = Database(url)
+        self._db = Database(url, timeout_s=timeout_s)
         self._locks = open_run_locks(self._db, holder, lease_s)
         #: bearer tokens (:mod:`.tokens`)
         self.tokens = TokenStore(self._db)

@@ -3,11 +3,16 @@
 Everything here is backend plumbing: which engine options and pragmas each backend gets, how
 a lost connection becomes :class:`StorageUnavailable`, and how the schema is brought up to
 date. The other catalog modules take a :class:`Database` and open their own short sessions.
+
+On PostgreSQL every call has a client-side deadline (:mod:`.deadline`), and a new connection
+libpq's ``connect_timeout``: a database that stalls fails a request with a 503 within about
+twice the timeout, not after minutes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,8 +24,12 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptstore_core.errors import StorageUnavailable
+from ckptstore_service.catalog.deadline import NO_DEADLINE, bound_calls
 
-__all__ = ["Database", "shown_url", "translate_errors", "utc"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Database", "shown_url", "translate_errors", "utc"]
+
+#: PostgreSQL: the longest wait for one call of the database (CKPTSTORE_DATABASE_TIMEOUT_S)
+DEFAULT_TIMEOUT_S = 30.0
 
 _MIGRATION_LOCK = 0x636B7074  # "ckpt"
 
@@ -66,23 +75,35 @@ class Database:
 
     Every :meth:`session` is one transaction, committed when its block ends and rolled back
     if it raises: callers hold none across a long upload.
+
+    ``timeout_s`` (PostgreSQL): the longest wait for one call (a statement, a commit, the
+    check of a pooled connection), past which the connection is cut and the caller gets
+    :class:`StorageUnavailable`; also libpq's ``connect_timeout`` (whole seconds, at least 2)
+    unless the URL sets one. Schema migrations are exempt (:meth:`upgrade`).
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"a database timeout must be > 0 s, not {timeout_s!r}")
         self.url = url
         self.is_postgres = url.startswith("postgresql")
         is_sqlite = url.startswith("sqlite")
-        kwargs: dict[str, Any] = {"pool_pre_ping": True}
+        # PostgreSQL: bound_calls checks a pooled connection at checkout, with a deadline
+        kwargs: dict[str, Any] = {"pool_pre_ping": not self.is_postgres}
         if is_sqlite:
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 60}
         else:
             kwargs.update(pool_size=10, max_overflow=20)
+        if self.is_postgres and "connect_timeout" not in _query_of(url):
+            kwargs["connect_args"] = {"connect_timeout": max(2, math.ceil(timeout_s))}
         try:
             self.engine: Engine = create_engine(url, **kwargs)
         except Exception as exc:  # a bad URL or a missing driver
             raise ValueError(f"cannot use database URL {shown_url(url)!r}: {exc}") from exc
         if is_sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
+        elif self.is_postgres:
+            bound_calls(self.engine, timeout_s)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         database = make_url(url).database if is_sqlite else None
         #: the SQLite file, None for PostgreSQL or an in-memory database
@@ -113,6 +134,9 @@ class Database:
         config = Config()
         config.set_main_option("script_location", str(Path(__file__).with_name("migrations")))
         with translate_errors(), self.engine.begin() as conn:
+            # no deadline: an index built on a large table, or another replica's migration
+            # waited for (the lock below), may rightly take minutes
+            conn.execution_options(**{NO_DEADLINE: True})
             if self.is_postgres:
                 conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _MIGRATION_LOCK})
             config.attributes["connection"] = conn
@@ -124,6 +148,15 @@ class Database:
 
         with translate_errors(), self.engine.connect() as conn:
             return MigrationContext.configure(conn).get_current_revision()
+
+
+def _query_of(url: str) -> Any:
+    """The query parameters of ``url`` (none when SQLAlchemy cannot parse it: create_engine
+    says why)."""
+    try:
+        return make_url(url).query
+    except Exception:
+        return {}
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
