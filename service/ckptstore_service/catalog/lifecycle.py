@@ -154,9 +154,22 @@ def _runs_of(s: Session, rebase: RerootChanges | None) -> set[int]:
 
 
 def _tombstone(s: Session, ids: list[int]) -> None:
-    """Delete the rows of checkpoints ``ids`` but their own, which become tombstones."""
-    s.execute(delete(Chunk).where(Chunk.checkpoint_id.in_(ids)))
-    s.execute(delete(TensorRow).where(TensorRow.checkpoint_id.in_(ids)))
+    """Delete the rows of checkpoints ``ids`` but their own, which become tombstones.
+
+    One checkpoint per statement, so that no statement outlives the database deadline
+    (CKPTSTORE_DATABASE_TIMEOUT_S) however large the run: a whole run's chunk rows in one
+    statement took 18.5 s per million. With several checkpoints, their chunks' links to
+    each other go first (a re-root may have based an older checkpoint's chunk on a newer
+    one's), so that each delete leaves no remaining row pointing at a deleted one."""
+    if len(ids) > 1:
+        for checkpoint_id in ids:
+            unlink = update(Chunk).where(
+                Chunk.checkpoint_id == checkpoint_id, Chunk.base_id.is_not(None)
+            )
+            s.execute(unlink.values(base_id=None))
+    for checkpoint_id in ids:
+        s.execute(delete(Chunk).where(Chunk.checkpoint_id == checkpoint_id))
+        s.execute(delete(TensorRow).where(TensorRow.checkpoint_id == checkpoint_id))
     s.execute(delete(Part).where(Part.checkpoint_id.in_(ids)))
     s.execute(
         update(Checkpoint)
