@@ -205,33 +205,30 @@ class Setting:
 
 
 def _label(p: Lossy) -> str:
-    bits = "" if p.bits == 4 else f" bits={p.bits}"
-    return f"ours w={p.weight_prune:g} m={p.moment_prune:g}{bits}" + (
+    quant = f" bits={p.bits}" if p.step is None else f" step={p.step:g}"
+    return f"ours w={p.weight_prune:g} m={p.moment_prune:g}{quant}" + (
         " exact" if p.exact_moments else ""
     )
 
 
 def settings(default: Lossy) -> list[Setting]:
-    """The sweep: weight pruning from none to 95% (moments at 95%); the default, no weight
-    pruning and the first defaults (0.9/0.9), each also with exact moments (all resumed
-    from); without weight pruning, moment pruning from 80% to 99% (resumed from) and 3 or 6
-    index bits. ExCP at the reference code's alpha and at a stronger one."""
-    no_prune = Lossy(weight_prune=0.0, moment_prune=0.95)
-    first = Lossy(weight_prune=0.9, moment_prune=0.9)  # the defaults before the benchmark
+    """The sweep: the uniform quantizer's step from fine to coarse with 80% and 95% of the
+    moments pruned; the default with exact moments; the k-means codebook of the earlier
+    defaults (4 bits) beside it; weight pruning at 50%. Resumed from: the default, a
+    coarser step, harder moment pruning, exact moments. ExCP at the reference code's
+    alpha and at a stronger one."""
     ours = [
-        no_prune,
-        Lossy(weight_prune=0.5, moment_prune=0.95),
-        Lossy(weight_prune=0.8, moment_prune=0.95),
-        Lossy(weight_prune=0.95, moment_prune=0.98),
-        first,
         default,
+        replace(default, step=1.0),
+        replace(default, step=2.0),
+        replace(default, moment_prune=0.95, step=1.0),
+        replace(default, moment_prune=0.95, step=2.0),
+        replace(default, moment_prune=0.95, step=4.0),
+        replace(default, weight_prune=0.5, moment_prune=0.95, step=2.0),
+        replace(default, step=None),  # the codebook of the earlier defaults
+        replace(default, exact_moments=True),
     ]
-    resumed = [default, no_prune, first]
-    resumed += [replace(p, exact_moments=True) for p in resumed]
-    moments = [replace(no_prune, moment_prune=m) for m in (0.8, 0.9, 0.99)]
-    resumed += moments
-    bits = [replace(no_prune, bits=3), replace(no_prune, bits=6), Lossy(0.0, 0.99, 6)]
-    ours = list(dict.fromkeys([*ours, *resumed, *bits]))  # in order, once each
+    resumed = [default, ours[2], ours[4], ours[-1]]
     out = [Setting("ours", _label(p), p, resume=p in resumed) for p in ours]
     grid = ((5e-5, 2.0), (1e-3, 2.0))
     out += [Setting("excp", q.label(), q) for q in (excp.ExCP(a, b) for a, b in grid)]

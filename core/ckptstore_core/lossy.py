@@ -16,7 +16,9 @@ What is stored, per chunk (``role``):
   are ranked by importance ``|r| / sqrt(v_prev + eps)`` (``v_prev``: the parent's
   reconstructed ``exp_avg_sq``; ``|r|`` without one) and the lowest ``weight_prune`` share of
   the nonzero residuals is dropped: those elements load as their base, bit for bit. The rest
-  is quantized to a ``2**bits``-entry fp32 codebook (1-D k-means, fixed iterations).
+  is quantized: uniformly (``step``: to the nearest multiple of ``step`` times the mean
+  magnitude of the kept values) or, with ``step=None``, to a ``2**bits``-entry fp32
+  codebook (1-D k-means, fixed iterations). The moments below are quantized the same way.
 * ``exp_avg`` -- the values themselves (the first moment forgets its past within tens of
   steps, a residual gains nothing), ranked by ``|m| / sqrt(v_prev + eps)`` (the Adam step
   they would cause); the lowest ``moment_prune`` share is set to 0, the rest quantized.
@@ -29,9 +31,12 @@ With ``exact_moments`` the moments are not encoded here (``encode`` returns None
 stores them losslessly). Chunks under :data:`MIN_ELEMENTS`, chunks holding a NaN or an
 infinity, and chunks that need a base and have none stay lossless too.
 
-Payload (``lossy/1``), little-endian: ``u8 version (1), u8 kind, u8 bits, u8 flags,
-u32 n, u32 kept, u16 codebook size`` then the fp32 codebook, then ``u32 length`` + a zstd
-frame of the keep mask (``np.packbits``, little bit order; absent when every element is kept
+Payload (``lossy/1``), little-endian. Version 2 (uniform): ``u8 version (2), u8 kind,
+u8 width, u8 flags, u32 n, u32 kept, f32 step``, then the keep mask and the index frames as
+below, the indices zigzag-coded, one byte each (``width`` 1) or two byte planes (low bytes,
+then high bytes; ``width`` 2); a kept value is ``float32(q) * step``. Version 1 (codebook):
+``u8 version (1), u8 kind, u8 bits, u8 flags, u32 n, u32 kept, u16 codebook size`` then the
+fp32 codebook, then ``u32 length`` + a zstd frame of the keep mask (``np.packbits``, little bit order; absent when every element is kept
 or none is) and ``u32 length`` + a zstd frame of the kept elements' codebook indices (u8
 each). Kinds: 1 ``add`` (``out = base``; kept: ``base + cb[i]``), 2 ``set`` (``out = 0``;
 kept: ``cb[i]``; no base needed), 3 ``sqrt-add`` (``out = base``; kept:
@@ -61,6 +66,7 @@ __all__ = [
     "Lossy",
     "Pair",
     "Role",
+    "STEP",
     "decode",
     "encode",
     "pair_tensors",
@@ -70,6 +76,10 @@ __all__ = [
 LOSSY = "lossy/1"
 #: Chunks with fewer elements stay lossless: biases and norms cost little and matter much.
 MIN_ELEMENTS = 4096
+#: The default uniform quantization step, relative to the mean magnitude of what is
+#: quantized (bench/lossy.py), and the largest step accepted.
+STEP = 0.5
+MAX_STEP = 16.0
 
 Role = Literal["weight", "exp_avg", "exp_avg_sq"]
 Buffer = bytes | bytearray | memoryview
@@ -77,6 +87,8 @@ Buffer = bytes | bytearray | memoryview
 _VERSION = 1
 _ADD, _SET, _SQRT_ADD = 1, 2, 3
 _HEAD = struct.Struct("<BBBBIIH")
+_HEAD2 = struct.Struct("<BBBBIIf")
+_MAX_INDEX = 1 << 15  # uniform indices: |q| < 2**15, zigzag-coded in two bytes
 _LEN = struct.Struct("<I")
 _LEVEL = 10  # zstd level of the mask and index frames (small: a few hundred KiB per chunk)
 _EPS = np.float32(1e-8)  # Adam's eps scale: the floor of v in the importance
@@ -109,9 +121,10 @@ class Lossy:
 
     ``weight_prune``: the share (0 <= x < 1) of each chunk's nonzero weight residuals dropped
     (lowest importance first); ``moment_prune``: the same for ``exp_avg`` (set to 0) and
-    ``exp_avg_sq`` (kept at the base); ``bits``: codebook index bits (1-8; ``2**bits``
-    fp32 entries per chunk); ``exact_moments``: the moments stay lossless (only weights are
-    lossy).
+    ``exp_avg_sq`` (kept at the base); ``step``: the uniform quantization step relative to
+    the mean magnitude of the kept values (0 < x <= 16), or None for the k-means codebook
+    of ``bits`` index bits (1-8; ``2**bits`` fp32 entries per chunk); ``exact_moments``:
+    the moments stay lossless (only weights are lossy).
 
     The defaults are what bench/lossy.py measured best (docs/lossy.md#benchmark): every
     weight residual kept and quantized (pruning weight residuals is where the eval loss
@@ -124,6 +137,7 @@ class Lossy:
     moment_prune: float = 0.8
     bits: int = 4
     exact_moments: bool = False
+    step: float | None = STEP
 
     def __post_init__(self) -> None:
         for field in ("weight_prune", "moment_prune"):
@@ -137,6 +151,12 @@ class Lossy:
             raise InvalidRequest(
                 f"lossy exact_moments must be true or false, got {self.exact_moments!r}"
             )
+        if self.step is not None:
+            if type(self.step) not in (int, float) or not 0.0 < self.step <= MAX_STEP:
+                raise InvalidRequest(
+                    f"lossy step must be null or a number in (0, {MAX_STEP:g}], got {self.step!r}"
+                )
+            object.__setattr__(self, "step", float(self.step))
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -144,6 +164,7 @@ class Lossy:
             "moment_prune": self.moment_prune,
             "bits": self.bits,
             "exact_moments": self.exact_moments,
+            "step": self.step,
         }
 
     @classmethod
@@ -161,7 +182,7 @@ class Lossy:
             return obj
         if not isinstance(obj, Mapping):
             raise InvalidRequest(f"lossy must be true or an object of parameters, got {obj!r}")
-        known = {"weight_prune", "moment_prune", "bits", "exact_moments"}
+        known = {"weight_prune", "moment_prune", "bits", "exact_moments", "step"}
         unknown = sorted(str(k) for k in obj if k not in known)
         if unknown:
             raise InvalidRequest(f"unknown lossy parameter(s) {unknown}; known: {sorted(known)}")
@@ -228,10 +249,13 @@ def encode(
         prune = params.moment_prune
     mask = _keep(imp, prune)
     kept = values[mask]
-    codebook, idx = _quantize(kept, params.bits)
-    payload = _pack(kind, params.bits, n, mask, codebook, idx)
-    out = _apply(kind, base, mask, codebook[idx], n)
-    return payload, out
+    if params.step is None:
+        codebook, idx = _quantize(kept, params.bits)
+        payload = _pack(kind, params.bits, n, mask, codebook, idx)
+        return payload, _apply(kind, base, mask, codebook[idx], n)
+    step, q = _quantize_uniform(kept, params.step)
+    payload = _pack_uniform(kind, n, mask, step, q)
+    return payload, _apply(kind, base, mask, _levels(step, q), n)
 
 
 def decode(payload: Buffer, base: Buffer | np.ndarray | None, n: int) -> np.ndarray:
@@ -298,6 +322,33 @@ def _quantize(
     return codebook, idx
 
 
+def _quantize_uniform(values: np.ndarray, rel: float) -> tuple[np.float32, np.ndarray]:
+    """Uniform scalar quantization: the step ``rel * mean(|values|)`` (float32), doubled
+    until every index fits :data:`_MAX_INDEX`, and each value's nearest multiple of it
+    (int64 indices). The entropy coder (zstd) then spends few bits on the many small
+    indices: at equal bytes far less error than a fixed-size codebook on the heavy-tailed
+    residuals of training."""
+    if not len(values):
+        return np.float32(1), np.zeros(0, np.int64)
+    xs = values.astype(np.float64)
+    mean = float(np.abs(xs).mean())
+    step = np.float32(rel * mean) if mean > 0 else np.float32(1)
+    if not np.isfinite(step) or step <= 0:  # underflow of a tiny mean
+        step = np.float32(np.finfo(np.float32).tiny)
+    top = float(np.abs(xs).max())
+    while top / float(step) > _MAX_INDEX - 1:
+        step = np.float32(step * 2)
+    q = np.rint(xs / np.float64(step)).astype(np.int64)
+    return step, q
+
+
+def _levels(step: np.float32, q: np.ndarray) -> np.ndarray:
+    """The values uniform indices stand for: ``float32(q) * step``, one correctly rounded
+    float32 product each (``q`` is exact in float32: ``|q| <= 2**15``)."""
+    out: np.ndarray = q.astype(np.float32) * np.float32(step)
+    return out
+
+
 def _apply(
     kind: int, base: np.ndarray | None, mask: np.ndarray | None, values: np.ndarray, n: int
 ) -> np.ndarray:
@@ -332,13 +383,31 @@ def _pack(
     kept = len(idx)
     parts = [_HEAD.pack(_VERSION, kind, bits, 0, n, kept, len(codebook))]
     parts.append(codebook.astype("<f4").tobytes())
+    parts += _mask_and_index_frames(mask, kept, n, idx.tobytes())
+    return b"".join(parts)
+
+
+def _mask_and_index_frames(mask: np.ndarray, kept: int, n: int, index: bytes) -> list[bytes]:
     cctx = _cctx()
     mask_frame = (
         b"" if kept in (0, n) else cctx.compress(np.packbits(mask, bitorder="little").tobytes())
     )
-    idx_frame = cctx.compress(idx.tobytes()) if kept else b""
-    parts += [_LEN.pack(len(mask_frame)), mask_frame, _LEN.pack(len(idx_frame)), idx_frame]
-    return b"".join(parts)
+    idx_frame = cctx.compress(index) if kept else b""
+    return [_LEN.pack(len(mask_frame)), mask_frame, _LEN.pack(len(idx_frame)), idx_frame]
+
+
+def _pack_uniform(kind: int, n: int, mask: np.ndarray, step: np.float32, q: np.ndarray) -> bytes:
+    """Version 2: the step instead of a codebook; indices zigzag-coded (0, -1, 1, -2, ...
+    -> 0, 1, 2, 3, ...), one byte each when they fit, else two byte planes (low bytes of
+    all, then high bytes: zstd finds the high plane mostly zeros)."""
+    zz = np.where(q >= 0, 2 * q, -2 * q - 1)
+    width = 1 if not len(zz) or int(zz.max()) < 256 else 2
+    if width == 1:
+        index = zz.astype(np.uint8).tobytes()
+    else:
+        index = np.ascontiguousarray(zz.astype("<u2").view(np.uint8).reshape(-1, 2).T).tobytes()
+    head = _HEAD2.pack(2, kind, width, 0, n, len(q), float(step))
+    return b"".join([head, *_mask_and_index_frames(mask, len(q), n, index)])
 
 
 def _frame(body: memoryview, pos: int, size: int, what: str) -> tuple[bytes, int]:
@@ -365,24 +434,17 @@ def _frame(body: memoryview, pos: int, size: int, what: str) -> tuple[bytes, int
 def _unpack(payload: Buffer, n: int) -> tuple[int, np.ndarray | None, np.ndarray]:
     """(kind, keep mask or None for all, the kept elements' values), every field checked."""
     body = memoryview(payload).cast("B")
-    if len(body) < _HEAD.size:
+    if len(body) < 1:
         raise CorruptData("lossy chunk: truncated header")
-    version, kind, bits, flags, count, kept, size = _HEAD.unpack_from(body)
-    if version != _VERSION or kind not in (_ADD, _SET, _SQRT_ADD) or flags:
-        raise CorruptData(f"lossy chunk: unknown version/kind/flags {version}/{kind}/{flags}")
-    if count != n or kept > n or not 1 <= bits <= 8 or size > (1 << bits):
-        raise CorruptData(f"lossy chunk header ({count}, {kept}, {bits}, {size}) for {n} elements")
-    if (kept > 0) != (size > 0):
-        raise CorruptData("lossy chunk: kept elements without a codebook or vice versa")
-    pos = _HEAD.size
-    cb = np.frombuffer(body[pos : pos + 4 * size], "<f4")
-    if len(cb) != size:
-        raise CorruptData("lossy chunk: truncated codebook")
-    if not np.isfinite(cb).all():
-        raise CorruptData("lossy chunk: non-finite codebook entry")
-    pos += 4 * size
+    if body[0] == _VERSION:
+        kind, kept, pos, levels = _codebook_head(body, n)
+        width = 1
+    elif body[0] == 2:
+        kind, kept, pos, width, step = _uniform_head(body, n)
+    else:
+        raise CorruptData(f"lossy chunk: unknown version {body[0]}")
     mask_data, pos = _frame(body, pos, (n + 7) // 8 if 0 < kept < n else 0, "keep mask")
-    idx_data, pos = _frame(body, pos, kept, "index stream")
+    idx_data, pos = _frame(body, pos, kept * width, "index stream")
     if pos != len(body):
         raise CorruptData(f"lossy chunk: {len(body) - pos} bytes after the index stream")
     if 0 < kept < n:
@@ -396,11 +458,50 @@ def _unpack(payload: Buffer, n: int) -> tuple[int, np.ndarray | None, np.ndarray
         mask = None if kept == n else np.zeros(n, bool)
     if kept and not idx_data:
         raise CorruptData("lossy chunk: missing index stream")
-    idx = np.frombuffer(idx_data, np.uint8)
-    if len(idx) and int(idx.max()) >= size:
-        raise CorruptData("lossy chunk: index past the codebook")
-    values = cb.astype(np.float32)[idx] if len(idx) else np.zeros(0, np.float32)
-    return kind, mask, values
+    if not kept:
+        return kind, mask, np.zeros(0, np.float32)
+    raw = np.frombuffer(idx_data, np.uint8)
+    if body[0] == _VERSION:
+        if int(raw.max()) >= len(levels):
+            raise CorruptData("lossy chunk: index past the codebook")
+        return kind, mask, levels[raw]
+    zz = raw.astype(np.int64) if width == 1 else raw[:kept] + (raw[kept:].astype(np.int64) << 8)
+    q = np.where(zz & 1, -(zz >> 1) - 1, zz >> 1)
+    return kind, mask, _levels(step, q)
+
+
+def _codebook_head(body: memoryview, n: int) -> tuple[int, int, int, np.ndarray]:
+    """Version 1's header and codebook: (kind, kept, position after them, codebook)."""
+    if len(body) < _HEAD.size:
+        raise CorruptData("lossy chunk: truncated header")
+    _, kind, bits, flags, count, kept, size = _HEAD.unpack_from(body)
+    if kind not in (_ADD, _SET, _SQRT_ADD) or flags:
+        raise CorruptData(f"lossy chunk: unknown kind/flags {kind}/{flags}")
+    if count != n or kept > n or not 1 <= bits <= 8 or size > (1 << bits):
+        raise CorruptData(f"lossy chunk header ({count}, {kept}, {bits}, {size}) for {n} elements")
+    if (kept > 0) != (size > 0):
+        raise CorruptData("lossy chunk: kept elements without a codebook or vice versa")
+    pos = _HEAD.size
+    cb = np.frombuffer(body[pos : pos + 4 * size], "<f4")
+    if len(cb) != size:
+        raise CorruptData("lossy chunk: truncated codebook")
+    if not np.isfinite(cb).all():
+        raise CorruptData("lossy chunk: non-finite codebook entry")
+    return kind, kept, pos + 4 * size, cb.astype(np.float32)
+
+
+def _uniform_head(body: memoryview, n: int) -> tuple[int, int, int, int, np.float32]:
+    """Version 2's header: (kind, kept, position after it, index width, step)."""
+    if len(body) < _HEAD2.size:
+        raise CorruptData("lossy chunk: truncated header")
+    _, kind, width, flags, count, kept, step = _HEAD2.unpack_from(body)
+    if kind not in (_ADD, _SET, _SQRT_ADD) or flags or width not in (1, 2):
+        raise CorruptData(f"lossy chunk: unknown kind/width/flags {kind}/{width}/{flags}")
+    if count != n or kept > n:
+        raise CorruptData(f"lossy chunk header ({count}, {kept}) for {n} elements")
+    if not math.isfinite(step) or step <= 0:
+        raise CorruptData(f"lossy chunk: step {step!r}")
+    return kind, kept, _HEAD2.size, width, np.float32(step)
 
 
 # -- pairing ---------------------------------------------------------------------------

@@ -4,6 +4,7 @@ weights paired with their Adam moments in both state layouts, parameters checked
 from __future__ import annotations
 
 import json
+import struct
 from typing import Any
 
 import numpy as np
@@ -34,8 +35,9 @@ def adam_like(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
 
 
 def test_weight_roundtrip_is_deterministic_and_bit_exact() -> None:
+    """The k-means codebook (``step=None``, payload version 1)."""
     w0, w1, _, v = adam_like(1)
-    params = Lossy(weight_prune=0.9)
+    params = Lossy(weight_prune=0.9, step=None)
     first = encode("weight", w1, w0, v, params)
     second = encode("weight", w1.copy(), w0.copy(), v.copy(), params)
     assert first is not None and second is not None
@@ -55,12 +57,49 @@ def test_weight_roundtrip_is_deterministic_and_bit_exact() -> None:
     assert len(payload) < 0.05 * w1.nbytes
 
 
+@pytest.mark.parametrize("rel", [lossy.STEP, 0.05, 4.0])
+def test_uniform_weights_are_within_half_a_step(rel: float) -> None:
+    """The uniform quantizer (payload version 2): deterministic, decoded bit for bit, every
+    element within half a step of the truth, elements that did not change untouched."""
+    w0, w1, _, v = adam_like(7)
+    w1[-1] = w0[-1] + np.float32(0.5)  # one outlier far in the tail
+    params = Lossy(step=rel)
+    first = encode("weight", w1, w0, v, params)
+    again = encode("weight", w1.copy(), w0.copy(), v.copy(), params)
+    assert first is not None and again is not None
+    payload, recon = first
+    assert payload == again[0] and payload[0] == 2
+    assert decode(payload, w0.tobytes(), N).tobytes() == recon.tobytes()
+    step = struct.unpack_from("<f", payload, 12)[0]
+    r = (w1 - w0).astype(np.float64)
+    assert step >= rel * np.abs(r).mean() * (1 - 1e-6)
+    err = np.abs((recon.astype(np.float64) - w0) - r)
+    assert err.max() <= step / 2 * 1.001 + 1e-7
+    assert (recon[: N // 8] == w0[: N // 8]).all()  # unchanged elements stay as they were
+    if rel == lossy.STEP:
+        assert len(payload) < 0.15 * w1.nbytes
+        # finer steps cost more bytes and err less
+        fine = encode("weight", w1, w0, v, Lossy(step=0.05))
+        assert fine is not None and len(fine[0]) > len(payload)
+        assert np.abs(fine[1] - w1).sum() < np.abs(recon - w1).sum()
+
+
+def test_uniform_moments_roundtrip() -> None:
+    _, _, m, v = adam_like(8)
+    v1 = (v * np.float32(1.5)).astype(np.float32)
+    for role, raw, base in (("exp_avg", m, None), ("exp_avg_sq", v1, v)):
+        enc = encode(role, raw, v if base is None else base, v, Lossy(moment_prune=0.5))
+        assert enc is not None
+        assert decode(enc[0], base, N).tobytes() == enc[1].tobytes()
+        assert (enc[1] >= 0).all() or role == "exp_avg"
+
+
 def test_moments_roundtrip() -> None:
     _, _, m, v = adam_like(2)
     rng = np.random.default_rng(3)
     m1 = (0.5 * m + rng.normal(0, 1e-3, N)).astype(np.float32)
     v1 = (v * rng.uniform(0.5, 2.0, N)).astype(np.float32)
-    params = Lossy(moment_prune=0.8)
+    params = Lossy(moment_prune=0.8, step=None)
     enc_m = encode("exp_avg", m1, m, v, params)
     enc_v = encode("exp_avg_sq", v1, v, v, params)
     assert enc_m is not None and enc_v is not None
@@ -129,7 +168,23 @@ def test_corrupt_payloads_are_typed_errors() -> None:
     enc = encode("weight", w1, w0, v, Lossy())
     assert enc is not None
     payload = enc[0]
-    for bad in (payload[:5], payload[:-1], payload + b"\0", b"\x02" + payload[1:]):
+    for bad in (payload[:5], payload[:-1], payload + b"\0", b"\x03" + payload[1:]):
+        with pytest.raises(CorruptData):
+            decode(bad, w0, N)
+    # version 2: a bad width, flags, count or step
+    nan, zero = struct.pack("<f", float("nan")), struct.pack("<f", 0.0)
+    for bad in (
+        payload[:2] + b"\x03" + payload[3:],
+        payload[:3] + b"\x01" + payload[4:],
+        payload[:4] + struct.pack("<I", N + 1) + payload[8:],
+        payload[:12] + nan + payload[16:],
+        payload[:12] + zero + payload[16:],
+    ):
+        with pytest.raises(CorruptData):
+            decode(bad, w0, N)
+    old = encode("weight", w1, w0, v, Lossy(step=None))
+    assert old is not None and old[0][0] == 1
+    for bad in (old[0][:5], old[0][:-1], old[0] + b"\0"):
         with pytest.raises(CorruptData):
             decode(bad, w0, N)
     with pytest.raises(CorruptData):

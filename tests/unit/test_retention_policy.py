@@ -101,7 +101,7 @@ def test_lossy_policy_json_round_trip_and_refusals() -> None:
     assert policy.to_json()["lossy"] == params.to_json()
     assert str(policy) == (
         "keep_last=4, lossy_after=2 (weight_prune=0.5, moment_prune=0.7, bits=3, "
-        "exact_moments=True)"
+        "exact_moments=True, step=0.5)"
     )
     # a policy stored before lossy_after existed reads as it was
     old = {"keep_last": 3, "keep_every": None, "keep_best": None}
