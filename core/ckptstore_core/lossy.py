@@ -36,11 +36,12 @@ u8 width, u8 flags, u32 n, u32 kept, f32 step``, then the keep mask and the inde
 below, the indices zigzag-coded, one byte each (``width`` 1) or two byte planes (low bytes,
 then high bytes; ``width`` 2); a kept value is ``float32(q) * step``. Version 1 (codebook):
 ``u8 version (1), u8 kind, u8 bits, u8 flags, u32 n, u32 kept, u16 codebook size`` then the
-fp32 codebook, then ``u32 length`` + a zstd frame of the keep mask (``np.packbits``, little bit order; absent when every element is kept
-or none is) and ``u32 length`` + a zstd frame of the kept elements' codebook indices (u8
-each). Kinds: 1 ``add`` (``out = base``; kept: ``base + cb[i]``), 2 ``set`` (``out = 0``;
-kept: ``cb[i]``; no base needed), 3 ``sqrt-add`` (``out = base``; kept:
-``max(sqrt(base) + cb[i], 0) ** 2``).
+fp32 codebook. Both then hold ``u32 length`` + a zstd frame of the keep mask
+(``np.packbits``, little bit order; absent when every element is kept or none is) and
+``u32 length`` + a zstd frame of the kept elements' indices (version 1: u8 each). Kinds:
+1 ``add`` (``out = base``; kept: ``base + value``), 2 ``set`` (``out = 0``; kept:
+``value``; no base needed), 3 ``sqrt-add`` (``out = base``; kept:
+``max(sqrt(base) + value, 0) ** 2``).
 
 numpy + zstandard only (the service imports this; it never imports torch).
 """
