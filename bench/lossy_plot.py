@@ -21,6 +21,7 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, len(runs), figsize=(6.2 * len(runs), 4.6), squeeze=False)
     for ax, (run, r) in zip(axes[0], runs.items(), strict=True):
@@ -38,6 +39,7 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
         ax.axhline(0.5, color="grey", ls=":", lw=1)
         ax.axvline(40, color="grey", ls=":", lw=1)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_yscale("symlog", linthresh=0.1)
         low = min(x["max_eval_change_pct"] for x in r["settings"])
         ax.set_ylim(bottom=min(low * 1.5, -0.05))
