@@ -53,7 +53,7 @@ import json
 import math
 import struct
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -86,7 +86,7 @@ MAX_STEP = 16.0
 Role = Literal["weight", "exp_avg", "exp_avg_sq"]
 Buffer = bytes | bytearray | memoryview
 
-_VERSION = 1
+_CODEBOOK, _UNIFORM = 1, 2  # payload versions
 _ADD, _SET, _SQRT_ADD = 1, 2, 3
 _HEAD = struct.Struct("<BBBBIIH")
 _HEAD2 = struct.Struct("<BBBBIIf")
@@ -384,7 +384,7 @@ def _pack(
     kind: int, bits: int, n: int, mask: np.ndarray, codebook: np.ndarray, idx: np.ndarray
 ) -> bytes:
     kept = len(idx)
-    parts = [_HEAD.pack(_VERSION, kind, bits, 0, n, kept, len(codebook))]
+    parts = [_HEAD.pack(_CODEBOOK, kind, bits, 0, n, kept, len(codebook))]
     parts.append(codebook.astype("<f4").tobytes())
     parts += _mask_and_index_frames(mask, kept, n, idx.tobytes())
     return b"".join(parts)
@@ -409,7 +409,7 @@ def _pack_uniform(kind: int, n: int, mask: np.ndarray, step: np.float32, q: np.n
         index = zz.astype(np.uint8).tobytes()
     else:
         index = np.ascontiguousarray(zz.astype("<u2").view(np.uint8).reshape(-1, 2).T).tobytes()
-    head = _HEAD2.pack(2, kind, width, 0, n, len(q), float(step))
+    head = _HEAD2.pack(_UNIFORM, kind, width, 0, n, len(q), float(step))
     return b"".join([head, *_mask_and_index_frames(mask, len(q), n, index)])
 
 
@@ -439,11 +439,10 @@ def _unpack(payload: Buffer, n: int) -> tuple[int, np.ndarray | None, np.ndarray
     body = memoryview(payload).cast("B")
     if len(body) < 1:
         raise CorruptData("lossy chunk: truncated header")
-    if body[0] == _VERSION:
-        kind, kept, pos, levels = _codebook_head(body, n)
-        width = 1
-    elif body[0] == 2:
-        kind, kept, pos, width, step = _uniform_head(body, n)
+    if body[0] == _CODEBOOK:
+        kind, kept, pos, width, values_of = _codebook_head(body, n)
+    elif body[0] == _UNIFORM:
+        kind, kept, pos, width, values_of = _uniform_head(body, n)
     else:
         raise CorruptData(f"lossy chunk: unknown version {body[0]}")
     mask_data, pos = _frame(body, pos, (n + 7) // 8 if 0 < kept < n else 0, "keep mask")
@@ -463,18 +462,16 @@ def _unpack(payload: Buffer, n: int) -> tuple[int, np.ndarray | None, np.ndarray
         raise CorruptData("lossy chunk: missing index stream")
     if not kept:
         return kind, mask, np.zeros(0, np.float32)
-    raw = np.frombuffer(idx_data, np.uint8)
-    if body[0] == _VERSION:
-        if int(raw.max()) >= len(levels):
-            raise CorruptData("lossy chunk: index past the codebook")
-        return kind, mask, levels[raw]
-    zz = raw.astype(np.int64) if width == 1 else raw[:kept] + (raw[kept:].astype(np.int64) << 8)
-    q = np.where(zz & 1, -(zz >> 1) - 1, zz >> 1)
-    return kind, mask, _levels(step, q)
+    return kind, mask, values_of(np.frombuffer(idx_data, np.uint8))
 
 
-def _codebook_head(body: memoryview, n: int) -> tuple[int, int, int, np.ndarray]:
-    """Version 1's header and codebook: (kind, kept, position after them, codebook)."""
+#: a payload's header, read: (kind, kept, position after it, bytes per index, the function
+#: from the index stream to the kept elements' values)
+_Head = tuple[int, int, int, int, Callable[[np.ndarray], np.ndarray]]
+
+
+def _codebook_head(body: memoryview, n: int) -> _Head:
+    """Version 1's header and codebook."""
     if len(body) < _HEAD.size:
         raise CorruptData("lossy chunk: truncated header")
     _, kind, bits, flags, count, kept, size = _HEAD.unpack_from(body)
@@ -490,11 +487,19 @@ def _codebook_head(body: memoryview, n: int) -> tuple[int, int, int, np.ndarray]
         raise CorruptData("lossy chunk: truncated codebook")
     if not np.isfinite(cb).all():
         raise CorruptData("lossy chunk: non-finite codebook entry")
-    return kind, kept, pos + 4 * size, cb.astype(np.float32)
+    levels = cb.astype(np.float32)
+
+    def values_of(idx: np.ndarray) -> np.ndarray:
+        if int(idx.max()) >= len(levels):
+            raise CorruptData("lossy chunk: index past the codebook")
+        out: np.ndarray = levels[idx]
+        return out
+
+    return kind, kept, pos + 4 * size, 1, values_of
 
 
-def _uniform_head(body: memoryview, n: int) -> tuple[int, int, int, int, np.float32]:
-    """Version 2's header: (kind, kept, position after it, index width, step)."""
+def _uniform_head(body: memoryview, n: int) -> _Head:
+    """Version 2's header."""
     if len(body) < _HEAD2.size:
         raise CorruptData("lossy chunk: truncated header")
     _, kind, width, flags, count, kept, step = _HEAD2.unpack_from(body)
@@ -504,7 +509,14 @@ def _uniform_head(body: memoryview, n: int) -> tuple[int, int, int, int, np.floa
         raise CorruptData(f"lossy chunk header ({count}, {kept}) for {n} elements")
     if not math.isfinite(step) or step <= 0:
         raise CorruptData(f"lossy chunk: step {step!r}")
-    return kind, kept, _HEAD2.size, width, np.float32(step)
+
+    def values_of(planes: np.ndarray) -> np.ndarray:
+        zz = planes.astype(np.int64)
+        if width == 2:
+            zz = zz[:kept] + (zz[kept:] << 8)
+        return _levels(np.float32(step), np.where(zz & 1, -(zz >> 1) - 1, zz >> 1))
+
+    return kind, kept, _HEAD2.size, width, values_of
 
 
 # -- pairing ---------------------------------------------------------------------------
