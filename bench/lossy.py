@@ -217,18 +217,21 @@ def settings(default: Lossy) -> list[Setting]:
     defaults (4 bits) beside it; weight pruning at 50%. Resumed from: the default, a
     coarser step, harder moment pruning, exact moments. ExCP at the reference code's
     alpha and at a stronger one."""
+    coarse = replace(default, step=2.0)
+    hard = replace(default, moment_prune=0.95, step=2.0)
+    exact = replace(default, exact_moments=True)
+    resumed = [default, coarse, hard, exact]
     ours = [
         default,
         replace(default, step=1.0),
-        replace(default, step=2.0),
+        coarse,
         replace(default, moment_prune=0.95, step=1.0),
-        replace(default, moment_prune=0.95, step=2.0),
+        hard,
         replace(default, moment_prune=0.95, step=4.0),
         replace(default, weight_prune=0.5, moment_prune=0.95, step=2.0),
         replace(default, step=None),  # the codebook of the earlier defaults
-        replace(default, exact_moments=True),
+        exact,
     ]
-    resumed = [default, ours[2], ours[4], ours[-1]]
     out = [Setting("ours", _label(p), p, resume=p in resumed) for p in ours]
     grid = ((5e-5, 2.0), (1e-3, 2.0))
     out += [Setting("excp", q.label(), q) for q in (excp.ExCP(a, b) for a, b in grid)]
