@@ -4,6 +4,7 @@ after a collection with grace 0 (nothing orphaned, nothing lost)."""
 from __future__ import annotations
 
 import sqlite3
+import stat
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -20,13 +21,21 @@ NAMED_BLOBS = "SELECT blob_key FROM checkpoints UNION SELECT blob_key FROM parts
 
 def blob_files(data_dir: Path) -> dict[str, int]:
     """Every blob in the service's local store (``<data_dir>/blobs``) and its size, partial
-    writes left out."""
+    writes left out. A blob the service deletes while it is listed is not in it (a test
+    that polls this during a collection must not fail on the race)."""
     root = data_dir / "blobs"
-    return {
-        str(p.relative_to(root)): p.stat().st_size
-        for p in root.rglob("*.blob")
-        if p.is_file() and p.relative_to(root).parts[0] != "tmp"
-    }
+    found: dict[str, int] = {}
+    for p in root.rglob("*.blob"):
+        key = p.relative_to(root)
+        if key.parts[0] == "tmp":
+            continue
+        try:
+            info = p.stat()
+        except FileNotFoundError:  # collected between the listing and now
+            continue
+        if stat.S_ISREG(info.st_mode):
+            found[str(key)] = info.st_size
+    return found
 
 
 def catalog_blobs(db_file: Path) -> set[str]:
