@@ -143,7 +143,8 @@ def kill_a_rank_mid_save(svc: Service, engine: Engine, out: Path) -> dict[int, i
             alive = [p.exitcode is None for p in context.processes]
             raise AssertionError(
                 f"rank {VICTIM}'s part of step 2 never seen uploading with the others' done:"
-                f" last parts {seen[0]}, ranks alive {alive}, files {sorted(os.listdir(out))}"
+                f" last parts {seen[0]}, ranks alive {alive}, files {sorted(os.listdir(out))};"
+                f" the service's log ends:\n{svc.log.read_text()[-3000:]}"
             ) from None
         os.kill(context.processes[VICTIM].pid, signal.SIGKILL)
         for rank, proc in enumerate(context.processes):

@@ -34,7 +34,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-_BATCH = 1 << 20  # body bytes handed over at a time while the consumer is busy
+_BATCH = 1 << 20  # body bytes handed over at a time, after the first ones
 _DRAIN_LIMIT = 16 << 20  # read at most this much of a rejected body before answering
 _DRAIN_SECONDS = 5.0
 _END = object()
@@ -172,11 +172,14 @@ async def receive_body(
 async def pump(body: AsyncIterator[bytes], pipe: BodyPipe) -> None:
     """Move ``body`` into ``pipe``; a client that disconnects becomes an InvalidStream.
 
-    The first pieces are passed on at once while the consumer waits (a slow sender's header
-    is parsed as soon as it arrives); after the first ~1 MiB they are batched to ~1 MiB. Each
-    hand-off wakes two threads: passing every 64 KiB piece of a fast upload to a waiting
-    consumer cost ~1,000 hand-offs per 70 MB. A batch is a list of the pieces, not their
-    concatenation: no copy on the event loop.
+    The pieces of the first ~1 MiB are passed on one by one, as they arrive: the consumer
+    must see a slow sender's header and first tensor bytes even if nothing follows for a
+    while (a writer takes its run's lock only once data flows; holding a piece back until
+    the consumer was idle left the first tensor's bytes here whenever they arrived before
+    the consumer's thread had taken the header). After that, pieces are batched to ~1 MiB:
+    each hand-off wakes two threads, and passing every 64 KiB piece of a fast upload cost
+    ~1,000 hand-offs per 70 MB. A batch is a list of the pieces, not their concatenation:
+    no copy on the event loop.
     """
     batch: list[bytes] = []
     size = 0
@@ -185,7 +188,7 @@ async def pump(body: AsyncIterator[bytes], pipe: BodyPipe) -> None:
         async for piece in body:
             batch.append(piece)
             size += len(piece)
-            if size >= _BATCH or (sent < _BATCH and pipe.idle()):
+            if size >= _BATCH or sent < _BATCH:
                 if not await pipe.put(batch):
                     return
                 sent += size
