@@ -34,6 +34,7 @@ __all__ = ["CHECKSUMS_KEY", "Loader", "Restore"]
 CHECKSUMS_KEY = "ckptstore.xxh3_128"
 _READ_BYTES = 4 << 20
 _SEND_BYTES = 1 << 20
+_LATEST_ATTEMPTS = 5  # resolutions of ``latest`` while its checkpoints are deleted
 log = logging.getLogger("ckptstore")
 
 
@@ -67,7 +68,25 @@ class Loader:
         Without ``names``, a checkpoint written through torch.distributed.checkpoint comes
         as its full tensors (:mod:`ckptstore_service.assemble`); ``names`` selects stored
         tensors (a DCP checkpoint's pieces) as they are.
+
+        ``step`` None is the run's latest: if the checkpoint it resolved to is deleted
+        before its rows are read, it is resolved again (a delete may take a run's newest at
+        any time), so a run that has checkpoints never answers CheckpointNotFound.
         """
+        for _ in range(_LATEST_ATTEMPTS - 1 if step is None else 0):
+            try:
+                return self._open(run, step, prefix, names)
+            except CheckpointNotFound:
+                log.info("%s: its latest was deleted while it was opened: resolved again", run)
+        return self._open(run, step, prefix, names)
+
+    def _open(
+        self,
+        run: str,
+        step: int | None,
+        prefix: str | None,
+        names: Collection[str] | None,
+    ) -> Restore:
         info = self._catalog.get(run, step)
         tensors = self._catalog.tensors(info.id)
         if len(tensors) != info.tensors:  # deleted between the two reads: its rows went

@@ -24,7 +24,7 @@ from ckptstore_core.errors import (
     RunNotFound,
     StorageUnavailable,
 )
-from ckptstore_service.catalog import Catalog
+from ckptstore_service.catalog import Catalog, CheckpointRecord
 from ckptstore_service.maintenance import RerootPolicy
 from ckptstore_service.maintenance.delete import delete_checkpoint
 from ckptstore_service.runtime import Runtime
@@ -197,6 +197,51 @@ def test_loads_during_deletes_are_exact_or_not_found(
     assert not errors, errors[0]
     assert counts["exact"] >= 20
     check_run(client, "l", states, [2, 4, 5, 7, 8])
+
+
+def test_a_load_of_latest_whose_checkpoint_is_deleted_meanwhile_serves_the_new_latest(
+    make_service: Callable[..., Service], tmp_path: Path, states: list[dict[str, Any]]
+) -> None:
+    """The newest checkpoint is deleted between a load of ``latest`` resolving it and
+    reading its rows: the load serves the new latest, not ``checkpoint_not_found`` for a
+    run that has checkpoints (a loader of two replicas saw that while deletes ran)."""
+    data = tmp_path / "data"
+    svc = make_service(env=ENV, data_dir=data)
+    client = CheckpointClient(svc.url)
+    for step in range(3):
+        client.save("f", step, states[step])
+    svc.stop()
+    rt = Runtime.open(Settings(data_dir=data, chunk_bytes=64 << 10))
+    try:
+        policy = RerootPolicy.of(rt.settings, rt.budget)
+        resolve = rt.catalog.get
+        deleted: list[int] = []
+
+        def resolve_then_delete(run: str, step: int | None) -> CheckpointRecord:
+            info = resolve(run, step)
+            if step is None and not deleted:  # the delete commits right after
+                delete_checkpoint(
+                    rt.catalog,
+                    rt.store,
+                    run,
+                    info.step,
+                    policy,
+                    scratch=rt.cache.scratch,
+                    pool=rt.pool,
+                )
+                deleted.append(info.step)
+            return info
+
+        rt.catalog.get = resolve_then_delete  # type: ignore[method-assign]
+        served = rt.loader.open("f", None, None)
+        assert deleted == [2] and served.info.step == 1
+        body = b"".join(bytes(piece) for piece in served.body)
+        rt.catalog.get = resolve  # type: ignore[method-assign]
+        assert body == b"".join(bytes(piece) for piece in rt.loader.open("f", 1, None).body)
+    finally:
+        rt.close()
+    svc.start()
+    check_run(client, "f", states, [0, 1])
 
 
 def test_sigkill_during_a_delete_loses_nothing(
