@@ -63,6 +63,25 @@ def check_run(
     assert_same_state(states[steps[-1]], client.load(run), path="latest")
 
 
+def saved_and_stopped(
+    make_service: Callable[..., Service], data: Path, states: list[dict[str, Any]]
+) -> tuple[Service, CheckpointClient]:
+    """Run "f" holding ``states`` (steps 0, 1, ...), saved through a service on ``data``
+    that is then stopped, so that the test can open its runtime (:func:`runtime_of`);
+    returns the service (to start again) and its client."""
+    svc = make_service(env=ENV, data_dir=data)
+    client = CheckpointClient(svc.url)
+    for step, state in enumerate(states):
+        client.save("f", step, state)
+    svc.stop()
+    return svc, client
+
+
+def runtime_of(data: Path) -> Runtime:
+    """The service's runtime on ``data``, in the test's process."""
+    return Runtime.open(Settings(data_dir=data, chunk_bytes=64 << 10))
+
+
 def test_delete_anywhere_in_a_chain_keeps_the_rest_exact(
     make_service: Callable[..., Service], states: list[dict[str, Any]]
 ) -> None:
@@ -206,12 +225,8 @@ def test_a_load_of_latest_whose_checkpoint_is_deleted_meanwhile_serves_the_new_l
     reading its rows: the load serves the new latest, not ``checkpoint_not_found`` for a
     run that has checkpoints (a loader of two replicas saw that while deletes ran)."""
     data = tmp_path / "data"
-    svc = make_service(env=ENV, data_dir=data)
-    client = CheckpointClient(svc.url)
-    for step in range(3):
-        client.save("f", step, states[step])
-    svc.stop()
-    rt = Runtime.open(Settings(data_dir=data, chunk_bytes=64 << 10))
+    svc, client = saved_and_stopped(make_service, data, states[:3])
+    rt = runtime_of(data)
     try:
         policy = RerootPolicy.of(rt.settings, rt.budget)
         resolve = rt.catalog.get
@@ -400,13 +415,9 @@ def test_a_failed_delete_changes_nothing_and_leaves_nothing(
     """The commit fails after the new blobs are written: no row changes, the blobs it wrote
     are deleted and their garbage rows dropped, and the checkpoint can be deleted later."""
     data = tmp_path / "data"
-    svc = make_service(env=ENV, data_dir=data)
-    client = CheckpointClient(svc.url)
-    for step in range(4):
-        client.save("f", step, states[step])
-    svc.stop()
+    svc, client = saved_and_stopped(make_service, data, states[:4])
     files = blob_files(data)
-    rt = Runtime.open(Settings(data_dir=data, chunk_bytes=64 << 10))
+    rt = runtime_of(data)
     try:
         before = rt.catalog.list_checkpoints("f")
 
