@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import xxhash
 
@@ -29,13 +30,14 @@ from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog, CheckpointRecord, TensorInfo
 from ckptstore_service.chains import ChainSource, DecodeStats, Piece, check_empty
 
-__all__ = ["CHECKSUMS_KEY", "Loader", "Restore"]
+__all__ = ["CHECKSUMS_KEY", "Loader", "Restore", "resolving_latest", "tensors_of"]
 
 CHECKSUMS_KEY = "ckptstore.xxh3_128"
 _READ_BYTES = 4 << 20
 _SEND_BYTES = 1 << 20
 _LATEST_ATTEMPTS = 5  # resolutions of ``latest`` while its checkpoints are deleted
 log = logging.getLogger("ckptstore")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -73,12 +75,7 @@ class Loader:
         before its rows are read, it is resolved again (a delete may take a run's newest at
         any time), so a run that has checkpoints never answers CheckpointNotFound.
         """
-        for _ in range(_LATEST_ATTEMPTS - 1 if step is None else 0):
-            try:
-                return self._open(run, step, prefix, names)
-            except CheckpointNotFound:
-                log.info("%s: its latest was deleted while it was opened: resolved again", run)
-        return self._open(run, step, prefix, names)
+        return resolving_latest(run, step, lambda: self._open(run, step, prefix, names))
 
     def _open(
         self,
@@ -88,9 +85,7 @@ class Loader:
         names: Collection[str] | None,
     ) -> Restore:
         info = self._catalog.get(run, step)
-        tensors = self._catalog.tensors(info.id)
-        if len(tensors) != info.tensors:  # deleted between the two reads: its rows went
-            raise CheckpointNotFound(f"run {run!r} has no checkpoint at step {info.step}")
+        tensors = tensors_of(self._catalog, info)
         view = full_view(info.stored_metadata, tensors, prefix) if names is None else None
         if view is not None:
             return self._start(
@@ -151,6 +146,28 @@ class Loader:
         stats.source = "storage"
         data = self._source.stream(info, tensors, stats)
         return self._cache.fill(info, data) if fill else self._cache.warm_after(info, data)
+
+
+def resolving_latest(run: str, step: int | None, read: Callable[[], T]) -> T:
+    """``read()``, which resolves checkpoint ``step`` of ``run``; for ``latest`` (None),
+    called again while it raises CheckpointNotFound: the checkpoint it resolved was deleted
+    before its rows were read (a delete may take a run's newest at any time), and a run
+    that has checkpoints must not answer that it has none."""
+    for _ in range(_LATEST_ATTEMPTS - 1 if step is None else 0):
+        try:
+            return read()
+        except CheckpointNotFound:
+            log.info("%s: its latest was deleted while it was read: resolved again", run)
+    return read()
+
+
+def tensors_of(catalog: Catalog, info: CheckpointRecord) -> list[TensorInfo]:
+    """The tensors of checkpoint ``info``; CheckpointNotFound if it was deleted since
+    ``info`` was read (its rows went with it)."""
+    tensors = catalog.tensors(info.id)
+    if len(tensors) != info.tensors:
+        raise CheckpointNotFound(f"run {info.run!r} has no checkpoint at step {info.step}")
+    return tensors
 
 
 def _selected(

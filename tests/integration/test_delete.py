@@ -4,6 +4,7 @@ holds exactly the blobs the catalog names; on SQLite, and on PostgreSQL for the 
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from ckptstore_core.errors import (
     RunNotFound,
     StorageUnavailable,
 )
+from ckptstore_service.api.parts import checkpoint_info
 from ckptstore_service.catalog import Catalog, CheckpointRecord
 from ckptstore_service.maintenance import RerootPolicy
 from ckptstore_service.maintenance.delete import delete_checkpoint
@@ -223,7 +225,8 @@ def test_a_load_of_latest_whose_checkpoint_is_deleted_meanwhile_serves_the_new_l
 ) -> None:
     """The newest checkpoint is deleted between a load of ``latest`` resolving it and
     reading its rows: the load serves the new latest, not ``checkpoint_not_found`` for a
-    run that has checkpoints (a loader of two replicas saw that while deletes ran)."""
+    run that has checkpoints (a loader of two replicas saw that while deletes ran). The
+    same for ``latest/info``, which answered the deleted checkpoint with no tensors."""
     data = tmp_path / "data"
     svc, client = saved_and_stopped(make_service, data, states[:3])
     rt = runtime_of(data)
@@ -231,10 +234,12 @@ def test_a_load_of_latest_whose_checkpoint_is_deleted_meanwhile_serves_the_new_l
         policy = RerootPolicy.of(rt.settings, rt.budget)
         resolve = rt.catalog.get
         deleted: list[int] = []
+        deletes = [1]  # how many more resolutions of latest are followed by a delete
 
         def resolve_then_delete(run: str, step: int | None) -> CheckpointRecord:
             info = resolve(run, step)
-            if step is None and not deleted:  # the delete commits right after
+            if step is None and deletes[0]:  # the delete commits right after
+                deletes[0] -= 1
                 delete_checkpoint(
                     rt.catalog,
                     rt.store,
@@ -253,10 +258,16 @@ def test_a_load_of_latest_whose_checkpoint_is_deleted_meanwhile_serves_the_new_l
         body = b"".join(bytes(piece) for piece in served.body)
         rt.catalog.get = resolve  # type: ignore[method-assign]
         assert body == b"".join(bytes(piece) for piece in rt.loader.open("f", 1, None).body)
+
+        rt.catalog.get = resolve_then_delete  # type: ignore[method-assign]
+        deletes[0] = 1
+        info = asyncio.run(checkpoint_info("f", "latest", rt))
+        assert deleted == [2, 1] and info["checkpoint"]["step"] == 0
+        assert len(info["tensors"]) == resolve("f", 0).tensors > 0
     finally:
         rt.close()
     svc.start()
-    check_run(client, "f", states, [0, 1])
+    check_run(client, "f", states, [0])
 
 
 def test_sigkill_during_a_delete_loses_nothing(

@@ -32,6 +32,7 @@ from ckptstore_service.api.openapi import CHECKPOINT_STREAM, SAFETENSORS_BODY, e
 from ckptstore_service.api.routes import stream_response
 from ckptstore_service.api.schemas import CheckpointDetail, CommitIn, PartOut, SelectIn
 from ckptstore_service.names import check_run_name, parse_step
+from ckptstore_service.restore import resolving_latest, tensors_of
 
 __all__ = ["router"]
 
@@ -121,7 +122,7 @@ async def checkpoint_info(
 
     def read() -> dict[str, Any]:
         info = rt.catalog.get(run, step_n)
-        tensors = rt.catalog.tensors(info.id)
+        tensors = tensors_of(rt.catalog, info)
         return {
             "checkpoint": CheckpointInfo.of(info).to_json(),
             "metadata": info.stored_metadata,
@@ -130,7 +131,7 @@ async def checkpoint_info(
             ],
         }
 
-    return await run_in_threadpool(read)
+    return await run_in_threadpool(resolving_latest, run, step_n, read)
 
 
 @router.post(
