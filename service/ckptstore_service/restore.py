@@ -73,7 +73,8 @@ class Loader:
 
         ``step`` None is the run's latest: if the checkpoint it resolved to is deleted
         before its rows are read, it is resolved again (a delete may take a run's newest at
-        any time), so a run that has checkpoints never answers CheckpointNotFound.
+        any time; up to 5 times), so a run that has checkpoints does not answer
+        CheckpointNotFound.
         """
         return resolving_latest(run, step, lambda: self._open(run, step, prefix, names))
 
