@@ -111,10 +111,6 @@ class BodyPipe:
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             return False
 
-    def idle(self) -> bool:
-        """True when nothing is queued: the consumer is waiting for bytes."""
-        return self._send.statistics().current_buffer_used == 0
-
     def close(self) -> None:
         """Consumer side, from its worker thread: stop the producer."""
         anyio.from_thread.run_sync(self._recv.close)
