@@ -19,11 +19,12 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from ckptstore_core import codec
 from ckptstore_core.errors import CheckpointNotFound, CorruptData
-from ckptstore_service.budget import Budget
+from ckptstore_core.pipeline import BaseChunk, Budget
 from ckptstore_service.catalog import Catalog, CheckpointRecord, ChunkInfo, TensorInfo
 from ckptstore_service.storage import BlobStore, Buffer
 
@@ -32,6 +33,7 @@ __all__ = [
     "ChainSource",
     "DecodeStats",
     "Piece",
+    "StoredBases",
     "WindowReader",
     "check_empty",
     "check_tiling",
@@ -324,3 +326,18 @@ class WindowReader:
             if len(self._windows) > self._cap:
                 self._windows.popleft()
             return window, True
+
+
+class StoredBases:
+    """A save's bases (a :class:`ckptstore_core.pipeline.BaseReader`) decoded from storage
+    along their chains: a save with no base file (a part of a checkpoint written by several
+    writers, whose parent no cache file holds)."""
+
+    def __init__(self, decoder: ChainDecoder) -> None:
+        self._decoder = decoder
+
+    def read(self, base: BaseChunk, into: np.ndarray) -> memoryview:
+        data = self._decoder.decode(self._decoder.closure[base.chunk_id])
+        if len(data) != len(into):
+            raise CorruptData(f"the catalog's chunk {base.chunk_id} has another length")
+        return memoryview(data)

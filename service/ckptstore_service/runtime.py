@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptstore_core import planes
-from ckptstore_service.budget import Budget
+from ckptstore_core.pipeline import Budget, ChunkPipeline
 from ckptstore_service.cache import BaseCache
 from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog
@@ -24,7 +24,6 @@ from ckptstore_service.metrics import Metrics
 from ckptstore_service.restore import Loader
 from ckptstore_service.save import Saver
 from ckptstore_service.save.parts import PartSaver
-from ckptstore_service.save.store import ChunkStore
 from ckptstore_service.settings import Settings
 from ckptstore_service.storage import BlobStore, S3Timeouts, open_blob_store
 
@@ -99,7 +98,7 @@ class Runtime:
         self.budget = Budget(self.workers, self.settings.chunk_bytes)
         self.source = ChainSource(self.catalog, self.store, self.pool, self.budget)
         self.policy = policy = CachePolicy(self.cache, self.catalog, self.source, self.metrics)
-        chunks = ChunkStore(
+        chunks = ChunkPipeline(
             self.pool, self.budget, self.settings.chunk_bytes, self.settings.zstd_level
         )
         self.saver = Saver(self.catalog, self.store, policy, chunks, self.settings, self.metrics)

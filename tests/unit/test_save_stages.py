@@ -14,12 +14,21 @@ import xxhash
 
 from ckptstore_core import codec
 from ckptstore_core.errors import StorageUnavailable
+from ckptstore_core.pipeline import (
+    Budget,
+    ChunkInfo,
+    ChunkPlan,
+    DeltaPlanner,
+    EncodePipeline,
+    NewChunk,
+    RawChunk,
+    Splitter,
+    TensorInfo,
+    same_offsets,
+)
+from ckptstore_core.pipeline.plan import cast_sources
 from ckptstore_core.wire import FORMAT, Header, TensorPiece, encode_header
-from ckptstore_service.budget import Budget
-from ckptstore_service.catalog import Catalog, ChunkInfo, NewChunk, TensorInfo
-from ckptstore_service.save.encode import EncodePipeline
-from ckptstore_service.save.plan import ChunkPlan, DeltaPlanner, cast_sources, same_offsets
-from ckptstore_service.save.split import RawChunk, Splitter
+from ckptstore_service.catalog import Catalog
 from ckptstore_service.save.upload import UploadTransaction
 from ckptstore_service.storage import open_blob_store
 

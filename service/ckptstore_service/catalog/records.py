@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckptstore_core.pipeline.rows import ChunkInfo, NewChunk, TensorInfo
 from ckptstore_core.records import CheckpointInfo
 
 __all__ = [
@@ -34,51 +35,6 @@ class CheckpointRecord(CheckpointInfo):
     # metadata, the user's under USER_METADATA_KEY: the listing's ``metadata``), served
     # back with its tensors
     stored_metadata: dict[str, str]
-
-
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """One tensor of a checkpoint: where its bytes begin in the checkpoint's stream."""
-
-    idx: int
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    nbytes: int
-    checksum: bytes  # of the bytes it loads to
-    #: of the bytes it was sent as, where they differ (a lossy tensor); None: ``checksum``
-    sent_checksum: bytes | None = None
-
-    @property
-    def sent(self) -> bytes:
-        """The checksum of the tensor as it was sent: what a retry of its save must match."""
-        return self.checksum if self.sent_checksum is None else self.sent_checksum
-
-
-@dataclass(frozen=True, slots=True)
-class NewChunk:
-    """A chunk as a save records it: its slice of a tensor and how it is stored."""
-
-    tensor_idx: int
-    offset: int
-    raw_len: int
-    itemsize: int
-    codec: str
-    base_id: int | None
-    depth: int
-    blob_offset: int
-    stored_len: int
-    checksum: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkInfo(NewChunk):
-    """A committed chunk: its row id and where its bytes live."""
-
-    id: int
-    blob_key: str  # of its checkpoint
-    checkpoint_id: int
 
 
 @dataclass(frozen=True, slots=True)

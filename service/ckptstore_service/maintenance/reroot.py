@@ -46,7 +46,7 @@ from pathlib import Path
 from ckptstore_core import codec
 from ckptstore_core.errors import RunNotFound
 from ckptstore_core.lossy import LOSSY
-from ckptstore_service.budget import Budget
+from ckptstore_core.pipeline import Budget
 from ckptstore_service.catalog import Catalog, CheckpointRecord, ChunkInfo
 from ckptstore_service.chains import ChainDecoder, Piece
 from ckptstore_service.maintenance.rewrite import (

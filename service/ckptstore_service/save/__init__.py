@@ -1,10 +1,10 @@
 """The save path, as named stages:
 
     body -> header (save/header.py: read and checked before anything is stored)
-         -> split (save/split.py: tensor pieces into chunks, tensors hashed)
-         -> plan (save/plan.py: each chunk's base in the parent, or its fp32 master)
-         -> encode (save/encode.py: the codec pool, in order, within a budget)
-         -> upload transaction (save/upload.py: blob appended, made durable, one commit)
+         -> plan (save/plan.py: the parent and the settings made into the delta planner)
+         -> the chunk pipeline of the core (ckptstore_core.pipeline: split, plan, encode)
+         -> upload transaction (save/upload.py, the pipeline's sink: blob appended, made
+            durable, one commit)
 
 :class:`Saver` runs them in the calling (worker) thread, which consumes the request body as
 an iterator of byte pieces (fed by the event loop, see ``api/body.py``), under the run's
@@ -31,10 +31,10 @@ import logging
 import time
 from collections.abc import Iterable
 
+from ckptstore_core.pipeline import ChunkPipeline, FileBases, LossySave, same_offsets
 from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog, CheckpointRecord, Lease
 from ckptstore_service.metrics import Metrics
-from ckptstore_service.save.encode import FileBases
 from ckptstore_service.save.header import (
     Incoming,
     open_body,
@@ -42,8 +42,7 @@ from ckptstore_service.save.header import (
     stored_metadata,
     wait_for_data,
 )
-from ckptstore_service.save.plan import LossySave, same_offsets
-from ckptstore_service.save.store import ChunkStore, planner_for
+from ckptstore_service.save.plan import planner_for
 from ckptstore_service.save.upload import UploadTransaction
 from ckptstore_service.settings import Settings
 from ckptstore_service.storage import BlobStore
@@ -61,7 +60,7 @@ class Saver:
         catalog: Catalog,
         store: BlobStore,
         cache: CachePolicy,
-        chunks: ChunkStore,
+        chunks: ChunkPipeline,
         settings: Settings,
         metrics: Metrics,
     ) -> None:
@@ -108,7 +107,7 @@ class Saver:
             UploadTransaction.begin(self._catalog, self._store, run, step, lease) as tx,
         ):
             bases = None if files.base_fd is None else FileBases(files.base_fd)
-            stored = self._chunks.store(header, incoming.pieces, planner, bases, files.fd, tx)
+            stored = self._chunks.run(header, incoming.pieces, planner, bases, files.fd, tx)
             t_encoded = time.perf_counter()
             stored_bytes = tx.finish()
             t_durable = time.perf_counter()

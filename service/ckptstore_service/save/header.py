@@ -18,10 +18,9 @@ from dataclasses import dataclass
 import xxhash
 
 from ckptstore_core.errors import CheckpointExists, InvalidStream, PayloadTooLarge
-from ckptstore_core.lossy import Lossy
+from ckptstore_core.pipeline import TensorInfo, lossy_params
 from ckptstore_core.records import LOSSY_KEY, USER_METADATA_KEY, decode_user_metadata
 from ckptstore_core.wire import FORMAT, Header, StreamParser, TensorPiece
-from ckptstore_service.catalog import TensorInfo
 from ckptstore_service.settings import Settings
 
 __all__ = [
@@ -144,20 +143,6 @@ def check_metadata(header: Header) -> None:
                 if not isinstance(name, str) or name not in names:
                     raise InvalidStream(f"skeleton refers to tensor {name!r}, which is not sent")
             todo.extend(node.values())
-
-
-def lossy_params(metadata: Mapping[str, str]) -> Lossy | None:
-    """The lossy parameters a save's header asks for under ``ckptstore.lossy`` (None: a
-    bit-exact save); InvalidRequest (400) for a value that is neither ``true`` nor an object
-    of known parameters in range. ``false`` asks for a bit-exact save."""
-    text = metadata.get(LOSSY_KEY)
-    if text is None:
-        return None
-    try:
-        value = json.loads(text, parse_constant=_no_constant)
-    except (ValueError, RecursionError):
-        value = text  # Lossy.from_json words the error
-    return None if value is False else Lossy.from_json(value)
 
 
 def stored_metadata(metadata: Mapping[str, str]) -> dict[str, str]:

@@ -26,17 +26,17 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from ckptstore_core.dcp_layout import METADATA_KEY
 from ckptstore_core.errors import CheckpointExists, InvalidRequest
+from ckptstore_core.pipeline import BaseReader, ChunkPipeline, FileBases
 from ckptstore_core.records import LOSSY_KEY, USER_METADATA_KEY, decode_user_metadata
 from ckptstore_service.assemble import layout_view
 from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog, CheckpointRecord, Lease, PartRecord
-from ckptstore_service.chains import ChainDecoder
+from ckptstore_service.chains import ChainDecoder, StoredBases
 from ckptstore_service.maintenance.garbage import delete_blob
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.names import check_part_name
-from ckptstore_service.save.encode import BaseReader, FileBases, StoredBases
 from ckptstore_service.save.header import Incoming, open_body, same_content, wait_for_data
-from ckptstore_service.save.store import ChunkStore, planner_for
+from ckptstore_service.save.plan import planner_for
 from ckptstore_service.save.upload import PartTransaction
 from ckptstore_service.settings import Settings
 from ckptstore_service.storage import BlobStore
@@ -59,7 +59,7 @@ class PartSaver:
         catalog: Catalog,
         store: BlobStore,
         cache: CachePolicy,
-        chunks: ChunkStore,
+        chunks: ChunkPipeline,
         settings: Settings,
         scratch: os.PathLike[str],
         keep_budget: int,
@@ -127,7 +127,7 @@ class PartSaver:
                 self._catalog, self._store, run, step, checkpoint_id, name, lease
             ) as tx,
         ):
-            stored = self._chunks.store(header, incoming.pieces, planner, bases, raw.fileno(), tx)
+            stored = self._chunks.run(header, incoming.pieces, planner, bases, raw.fileno(), tx)
             stored_bytes = tx.finish()
             tx.commit(
                 raw_bytes=header.data_len,

@@ -2,19 +2,20 @@
 begin to commit or abort.
 
     tx = UploadTransaction.begin(catalog, store, run, step, lease)  # writing row, writer
-    tx.write(parts) ...                                  # appended, in order
+    tx.write(parts) ...                                  # appended, in order (the sink)
     tx.finish()                                          # the blob is durable
     tx.commit(...)                                       # one transaction, fenced by lease
     tx.abort()                                           # or: nothing stays visible
 
-As a context manager it aborts if the body raises before :meth:`commit`. Data first,
-metadata last: the checkpoint becomes visible only in the commit's transaction, after its
-blob is durable, and only if the lock it was written under (``lease``) is still held then
-(LockLost otherwise: the fencing check of :mod:`ckptstore_service.catalog.locks`). An
-abort runs each clean-up step on its own (the save's own error is what the client must see,
-and a blob store that refused the write refuses the delete too) and drops the ``writing``
-row only once its blob is gone: that row is what names a finished blob to the start-up
-collection, which nothing else would ever find.
+Both transactions are the :class:`ckptstore_core.pipeline.ChunkSink` of the chunk pipeline
+that fills them. As a context manager it aborts if the body raises before :meth:`commit`.
+Data first, metadata last: the checkpoint becomes visible only in the commit's transaction,
+after its blob is durable, and only if the lock it was written under (``lease``) is still
+held then (LockLost otherwise: the fencing check of :mod:`ckptstore_service.catalog.locks`).
+An abort runs each clean-up step on its own (the save's own error is what the client must
+see, and a blob store that refused the write refuses the delete too) and drops the
+``writing`` row only once its blob is gone: that row is what names a finished blob to the
+start-up collection, which nothing else would ever find.
 """
 
 from __future__ import annotations
@@ -135,8 +136,9 @@ def _blob_gone(store: BlobStore, key: str) -> bool:
 
 
 class _BlobTransaction:
-    """A blob written in order, then made durable, named by a row that goes with it on
-    abort. Subclasses say which row: :meth:`_drop_row`."""
+    """A blob written in order (a :class:`ckptstore_core.pipeline.ChunkSink`), then made
+    durable, named by a row that goes with it on abort. Subclasses say which row:
+    :meth:`_drop_row`."""
 
     def __init__(self, store: BlobStore, key: str) -> None:
         self._store = store

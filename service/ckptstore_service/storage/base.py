@@ -39,10 +39,9 @@ import abc
 from collections.abc import Collection, Iterable, Iterator
 
 from ckptstore_core.errors import CkptStoreError
+from ckptstore_core.pipeline.sink import Buffer
 
 __all__ = ["BlobNotFound", "BlobStore", "Buffer", "check_key"]
-
-Buffer = bytes | bytearray | memoryview
 
 
 class BlobNotFound(CkptStoreError):

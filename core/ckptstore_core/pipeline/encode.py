@@ -32,18 +32,16 @@ from typing import Protocol
 import numpy as np
 
 from ckptstore_core import codec, lossy
-from ckptstore_core.errors import CorruptData, InternalError
-from ckptstore_service.budget import Budget
-from ckptstore_service.chains import ChainDecoder
-from ckptstore_service.save.plan import BaseChunk, CastFrom, ChunkPlan, LossyChunk
-from ckptstore_service.save.split import RawChunk
+from ckptstore_core.errors import InternalError
+from ckptstore_core.pipeline.budget import Budget
+from ckptstore_core.pipeline.plan import BaseChunk, CastFrom, ChunkPlan, LossyChunk
+from ckptstore_core.pipeline.split import RawChunk
 
 __all__ = [
     "BaseReader",
     "EncodePipeline",
     "Encoded",
     "FileBases",
-    "StoredBases",
     "encode_job",
 ]
 
@@ -87,20 +85,6 @@ class FileBases:
         if os.preadv(self.fd, [into.data], base.file_offset) != len(into):
             raise RuntimeError("base cache file is shorter than the catalog says")
         return into.data
-
-
-class StoredBases:
-    """Bases decoded from storage along their chains (a save with no base file: a part of
-    a checkpoint written by several writers, whose parent no cache file holds)."""
-
-    def __init__(self, decoder: ChainDecoder) -> None:
-        self._decoder = decoder
-
-    def read(self, base: BaseChunk, into: np.ndarray) -> memoryview:
-        data = self._decoder.decode(self._decoder.closure[base.chunk_id])
-        if len(data) != len(into):
-            raise CorruptData(f"the catalog's chunk {base.chunk_id} has another length")
-        return memoryview(data)
 
 
 def _predicted(cast: CastFrom, cache_fd: int) -> bytes:

@@ -1,6 +1,8 @@
-"""The middle stages of every save, whoever writes: split the body's tensor pieces into
-chunks, plan each against its base, encode them in order and append each to the blob of the
-upload transaction; the result is the rows to commit."""
+"""The chunk pipeline, the middle stages of every save whoever writes (the service, for a
+body it receives; a client, for the state it encodes itself): split the tensor pieces into
+chunks (:mod:`.split`), plan each against its base (:mod:`.plan`), encode them in order
+within a budget (:mod:`.encode`) and hand each to a :class:`~.sink.ChunkSink`; the result
+is the rows to commit (:class:`Stored`)."""
 
 from __future__ import annotations
 
@@ -14,48 +16,17 @@ import xxhash
 
 from ckptstore_core.errors import InternalError
 from ckptstore_core.lossy import LOSSY
+from ckptstore_core.pipeline.budget import Budget
+from ckptstore_core.pipeline.encode import BaseReader, Encoded, EncodePipeline
+from ckptstore_core.pipeline.plan import ChunkPlan, DeltaPlanner
+from ckptstore_core.pipeline.rows import NewChunk, TensorInfo
+from ckptstore_core.pipeline.sink import ChunkSink
+from ckptstore_core.pipeline.split import RawChunk, Splitter
 from ckptstore_core.wire import Header, TensorPiece
-from ckptstore_service.budget import Budget
-from ckptstore_service.catalog import Catalog, CheckpointRecord, NewChunk, TensorInfo
-from ckptstore_service.save.encode import BaseReader, Encoded, EncodePipeline
-from ckptstore_service.save.plan import ChunkPlan, DeltaPlanner, LossySave
-from ckptstore_service.save.split import RawChunk, Splitter
-from ckptstore_service.save.upload import PartTransaction, UploadTransaction
-from ckptstore_service.settings import Settings
 
-__all__ = ["ChunkStore", "Stored", "Transaction", "planner_for"]
-
-Transaction = UploadTransaction | PartTransaction
+__all__ = ["ChunkPipeline", "Stored"]
 
 _READ_BYTES = 4 << 20  # what a lossy tensor's checksum reads of the cache file at once
-
-
-def planner_for(
-    catalog: Catalog,
-    settings: Settings,
-    header: Header,
-    parent: CheckpointRecord | None,
-    lossy: LossySave | None = None,
-) -> tuple[DeltaPlanner, dict[int, TensorInfo]]:
-    """The delta planner of a save of ``header`` after ``parent`` (None: the run's first),
-    and the parent's tensors by index. A keyframe every ``keyframe_interval`` checkpoints;
-    ``lossy``: what a lossy save asks for (its chunks need a base: none on a first save)."""
-    if parent is None:
-        return DeltaPlanner(header, keyframe=True, since_keyframe=0, max_chain_depth=0), {}
-    tensors = {t.idx: t for t in catalog.tensors(parent.id)}
-    since = parent.since_keyframe + 1
-    keyframe = since >= settings.keyframe_interval
-    planner = DeltaPlanner(
-        header,
-        keyframe=keyframe,
-        since_keyframe=0 if keyframe else since,
-        max_chain_depth=settings.max_chain_depth,
-        parent_tensors=tensors,
-        parent_chunks=catalog.chunks(parent.id),
-        lossy=lossy,
-        lossy_max_depth=settings.lossy_max_chain_depth,
-    )
-    return planner, tensors
 
 
 @dataclass
@@ -74,23 +45,27 @@ class Stored:
 
 
 @dataclass(frozen=True)
-class ChunkStore:
+class ChunkPipeline:
+    """Runs the stages over one body at a time (see the module's docstring): ``pool`` runs
+    the codec jobs, ``budget`` bounds what they hold, ``chunk_bytes`` is the chunk size
+    and ``level`` zstd's."""
+
     pool: Executor
     budget: Budget
     chunk_bytes: int
     level: int  # zstd
 
-    def store(
+    def run(
         self,
         header: Header,
         pieces: Iterator[TensorPiece],
         planner: DeltaPlanner,
         bases: BaseReader | None,
         cache_fd: int,
-        tx: Transaction,
+        sink: ChunkSink,
     ) -> Stored:
-        """Split, plan and encode the body's chunks, appending each to ``tx``'s blob in
-        order (what they load to goes to ``cache_fd`` at their data-section offsets). The
+        """Split, plan and encode the body's chunks, handing each to ``sink`` in order
+        (what they load to goes to ``cache_fd`` at their data-section offsets). The
         tensors that may hold lossy chunks get the checksum of what ``cache_fd`` then holds
         of them, and that of the bytes sent as ``sent_checksum`` where it differs."""
         splitter = Splitter(header, self.chunk_bytes, planner.lossy_tensors)
@@ -106,7 +81,7 @@ class ChunkStore:
         )
         with pipeline:
             for e in pipeline.run(planned()):
-                stored.chunks.append(_stored_chunk(e, planner, splitter, tx, stored))
+                stored.chunks.append(_stored_chunk(e, planner, splitter, sink, stored))
         digests = splitter.digests.finish()
         for i, (t, digest) in enumerate(zip(header.tensors, digests, strict=True)):
             loads = digest
@@ -132,13 +107,13 @@ def _file_digest(fd: int, begin: int, size: int) -> bytes:
 
 
 def _stored_chunk(
-    e: Encoded, planner: DeltaPlanner, splitter: Splitter, tx: Transaction, stored: Stored
+    e: Encoded, planner: DeltaPlanner, splitter: Splitter, sink: ChunkSink, stored: Stored
 ) -> NewChunk:
     link = planner.link(e.chunk, e.plan, e.enc.codec)
     if link.sibling is not None:
         stored.siblings[len(stored.chunks)] = link.sibling
     splitter.digests.chunk_checksum(e.chunk.tensor_idx, e.enc.checksum)
-    blob_offset, size = tx.write(e.enc.parts)
+    blob_offset, size = sink.write(e.enc.parts)
     c = e.chunk
     return NewChunk(
         tensor_idx=c.tensor_idx,
