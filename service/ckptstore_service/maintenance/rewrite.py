@@ -43,7 +43,7 @@ from ckptstore_core.errors import CorruptData
 from ckptstore_service.catalog import Catalog, CheckpointUpdate, ChunkInfo, ChunkUpdate
 from ckptstore_service.chains import Piece, WindowReader
 from ckptstore_service.maintenance.garbage import delete_blob
-from ckptstore_service.storage import BlobStore, Buffer
+from ckptstore_service.storage import BlobSink, BlobStore, Buffer
 
 __all__ = [
     "NewBlobs",
@@ -233,35 +233,29 @@ class NewBlobs:
 def rewrite_blob(
     store: BlobStore, rows: list[ChunkInfo], blob: str, spools: Spools, new: NewBlobs
 ) -> None:
-    """Write the new blob of ``blob`` (whose chunks are ``rows``, in their order): its
-    rewritten chunks from the spool, the others copied from the old blob; record every
-    row's new place in ``new``."""
+    """Write the new blob of ``blob`` (whose chunks are ``rows``, in their order) through a
+    :class:`BlobSink`, as a save writes its own: its rewritten chunks from the spool, the
+    others copied from the old blob; record every row's new place in ``new``."""
     reader = WindowReader(store, rows)
-
-    def pieces() -> Iterator[Buffer]:
-        offset = 0
+    sink = BlobSink(store, new.keys[blob])
+    try:
         for c in rows:
             spooled = spools.chunks.get(c.id)
             if spooled is None:
                 data: Buffer = reader.get(c.blob_key, c.blob_offset, c.blob_offset + c.stored_len)
+                offset, _ = sink.write((data,))
                 row = replace(ChunkUpdate.of(c), blob_offset=offset)
             else:
-                data = spools.read(blob, spooled)
+                offset, size = sink.write((spools.read(blob, spooled),))
                 row = ChunkUpdate(
-                    c.id,
-                    spooled.codec,
-                    spooled.base_id,
-                    spooled.depth,
-                    offset,
-                    spooled.size,
+                    c.id, spooled.codec, spooled.base_id, spooled.depth, offset, size,
                     spooled.checksum,
-                )
+                )  # fmt: skip
             new.rows[c.id] = row
-            offset += len(data)
-            if len(data):
-                yield data
-
-    new.stored[blob] = store.put_stream(new.keys[blob], pieces())
+        new.stored[blob] = sink.finish()
+    except BaseException:
+        sink.abort()
+        raise
 
 
 def drop_new_blobs(catalog: Catalog, store: BlobStore, keys: Iterable[str]) -> None:

@@ -21,87 +21,18 @@ start-up collection, which nothing else would ever find.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Self
 
-from ckptstore_core.errors import InvalidStream, StorageUnavailable
+from ckptstore_core.errors import StorageUnavailable
 from ckptstore_service.catalog import Catalog, Lease, NewChunk, PartRecord, TensorInfo
-from ckptstore_service.handoff import unbatched
 from ckptstore_service.names import blob_key
-from ckptstore_service.storage import BlobStore, Buffer
+from ckptstore_service.storage import BlobSink, BlobStore, Buffer
 
 __all__ = ["PartTransaction", "UploadTransaction"]
 
-_END = object()
 log = logging.getLogger("ckptstore")
-
-
-class BlobWriter:
-    """Runs ``store.put_stream`` in its own thread, fed through a bounded queue.
-
-    Payloads are handed over in batches of ~1 MiB: a checkpoint has hundreds of small chunks,
-    and each hand-off wakes the writer thread.
-    """
-
-    _BATCH = 1 << 20
-
-    def __init__(self, store: BlobStore, key: str) -> None:
-        self._q: queue.Queue[object] = queue.Queue(4)
-        self._result: int | BaseException | None = None
-        self._batch: list[Buffer] = []
-        self._batched = 0
-        self._thread = threading.Thread(target=self._run, args=(store, key), daemon=True)
-        self._thread.start()
-
-    def _pieces(self) -> Iterator[bytes]:
-        return unbatched(iter(self._q.get, None), _END)  # get() until _END (never None)
-
-    def _run(self, store: BlobStore, key: str) -> None:
-        try:
-            self._result = store.put_stream(key, self._pieces())
-        except BaseException as exc:
-            self._result = exc
-
-    def _put(self, item: object) -> None:
-        while self._thread.is_alive():
-            try:
-                self._q.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-        self._raise()
-
-    def _raise(self) -> None:
-        if isinstance(self._result, BaseException):
-            raise self._result
-
-    def write(self, data: Buffer) -> None:
-        if len(data):
-            self._batch.append(data)
-            self._batched += len(data)
-            if self._batched >= self._BATCH:
-                self._flush()
-
-    def _flush(self) -> None:
-        if self._batch:
-            self._put(self._batch)
-            self._batch, self._batched = [], 0
-
-    def finish(self) -> int:
-        self._flush()
-        self._put(_END)
-        self._thread.join()
-        self._raise()
-        assert isinstance(self._result, int)
-        return self._result
-
-    def abort(self) -> None:
-        if self._thread.is_alive():
-            self._put(InvalidStream("upload aborted"))
-            self._thread.join()
 
 
 def _cleanup(fn: Callable[..., object], *args: object) -> bool:
@@ -136,24 +67,19 @@ def _blob_gone(store: BlobStore, key: str) -> bool:
 
 
 class _BlobTransaction:
-    """A blob written in order (a :class:`ckptstore_core.pipeline.ChunkSink`), then made
-    durable, named by a row that goes with it on abort. Subclasses say which row:
+    """A blob written in order (a :class:`BlobSink`, so a chunk pipeline's sink too), then
+    made durable, named by a row that goes with it on abort. Subclasses say which row:
     :meth:`_drop_row`."""
 
     def __init__(self, store: BlobStore, key: str) -> None:
         self._store = store
         self.key = key
-        self._writer = BlobWriter(store, key)
-        self.written = 0  # bytes appended so far
+        self._writer = BlobSink(store, key)
         self.committed = False
 
     def write(self, parts: Iterable[Buffer]) -> tuple[int, int]:
         """Append one encoded chunk; returns its (offset, length) in the blob."""
-        offset = self.written
-        for part in parts:
-            self._writer.write(part)
-            self.written += len(part)
-        return offset, self.written - offset
+        return self._writer.write(parts)
 
     def finish(self) -> int:
         """Make the blob durable; returns its size."""

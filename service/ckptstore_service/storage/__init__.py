@@ -15,9 +15,11 @@ from urllib.parse import unquote, urlsplit
 
 from .base import BlobNotFound, BlobStore, Buffer, check_key
 from .local import LocalBlobStore
+from .sink import BlobSink
 
 __all__ = [
     "BlobNotFound",
+    "BlobSink",
     "BlobStore",
     "Buffer",
     "LocalBlobStore",
