@@ -1,0 +1,234 @@
+"""The encoded upload: a part whose chunks its writer encoded itself (``direct=True``).
+
+A writer that runs the chunk pipeline (:mod:`ckptstore_core.pipeline`) against a plan from
+the service sends what it stored, not the raw tensors, as one body
+(``Content-Type: application/vnd.ckptstore.encoded``)::
+
+    body   := header frame* end tail
+    header := u64 LE N | N bytes of JSON: the safetensors header of the part's raw tensors,
+              exactly as a plain upload's (its data_offsets describe the raw data section
+              the chunks are cut from)
+    frame  := u32 LE n (n < 0xFFFFFFFF) | n bytes: one chunk's stored bytes (n = 0: a ref)
+    end    := u32 LE 0xFFFFFFFF
+    tail   := u64 LE M | M bytes of JSON:
+              {"parent": <the parent checkpoint id the chunks were encoded against, or null>,
+               "chunks": [[tensor_idx, offset, raw_len, codec, checksum], ...],
+               "tensors": [checksum, ...]}
+
+``chunks`` holds one row per frame, in frame order: the chunk's place in its tensor, its
+codec spec and the xxh3-128 of its raw bytes (32 hex digits), computed before encoding;
+``tensors`` holds each header tensor's xxh3-128 in header order. A chunk's place in the blob
+is its frame's: the receiver appends frames in order. Bases, depths and sibling links are
+not sent: the receiver derives them from its own plan of the same parent (the writer's
+``parent`` must still be the step's parent), so a writer can name no chunk but the one at
+the same place in the parent.
+
+:class:`EncodedParser` is a push parser without I/O, like :class:`ckptstore_core.wire.
+StreamParser`: feed it bytes as they arrive; it yields the :class:`~ckptstore_core.wire.
+Header` once, then :class:`FramePiece` objects, then the :class:`Tail`. :func:`frame` and
+:func:`encode_tail` are the writer's side.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from ckptstore_core.errors import InvalidStream, PayloadTooLarge
+from ckptstore_core.wire import Header, StreamParser
+
+__all__ = [
+    "CONTENT_TYPE",
+    "END",
+    "EncodedParser",
+    "FramePiece",
+    "Tail",
+    "TailChunk",
+    "encode_tail",
+    "frame",
+]
+
+CONTENT_TYPE = "application/vnd.ckptstore.encoded"
+_END_MARK = 0xFFFFFFFF
+END = struct.pack("<I", _END_MARK)
+
+
+@dataclass(frozen=True, slots=True)
+class TailChunk:
+    tensor_idx: int
+    offset: int
+    raw_len: int
+    codec: str
+    checksum: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Tail:
+    parent: int | None
+    chunks: tuple[TailChunk, ...]
+    tensors: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FramePiece:
+    """Bytes of frame ``index`` (its chunk's stored bytes); ``last``: the frame's end.
+    A view into the fed buffer: copy it before feeding again."""
+
+    index: int
+    data: memoryview
+    last: bool
+
+
+def frame(size: int) -> bytes:
+    """The prefix of a frame of ``size`` bytes."""
+    if not 0 <= size < _END_MARK:
+        raise ValueError(f"a frame holds at most {_END_MARK - 1} bytes, not {size}")
+    return struct.pack("<I", size)
+
+
+def encode_tail(parent: int | None, chunks: Sequence[TailChunk], tensors: Sequence[bytes]) -> bytes:
+    """``end`` followed by the tail (see the module's docstring)."""
+    doc = {
+        "parent": parent,
+        "chunks": [[c.tensor_idx, c.offset, c.raw_len, c.codec, c.checksum.hex()] for c in chunks],
+        "tensors": [t.hex() for t in tensors],
+    }
+    text = json.dumps(doc, separators=(",", ":")).encode()
+    return END + struct.pack("<Q", len(text)) + text
+
+
+class EncodedParser:
+    """Push parser of an encoded upload (see the module's docstring). ``max_frame`` bounds
+    a frame, ``max_frames`` their number, ``max_tail`` the tail's JSON; :meth:`close`
+    returns the tail once the body ended exactly after it (InvalidStream otherwise)."""
+
+    def __init__(
+        self, max_header_bytes: int, max_frame: int, max_frames: int, max_tail: int
+    ) -> None:
+        self._header = StreamParser(max_header_bytes)
+        self._max_frame = max_frame
+        self._max_frames = max_frames
+        self._max_tail = max_tail
+        self.header: Header | None = None
+        self._fed = 0  # bytes fed before the header was complete
+        self._state = "prefix"  # what comes next: prefix, frame, tail_len, tail, done
+        self._buf = bytearray()  # a frame's prefix, the tail's length, or the tail
+        self._frames = 0
+        self._left = 0  # bytes of the current frame still to come
+        self._tail_len = 0
+        self.tail: Tail | None = None
+
+    def feed(self, data: bytes | bytearray | memoryview) -> Iterator[Header | FramePiece | Tail]:
+        view = memoryview(data).cast("B")
+        if self.header is None:
+            for event in self._header.feed(view):
+                assert isinstance(event, Header)  # the header is yielded first, alone
+                self.header = event
+                yield event
+                break
+            if self.header is None:
+                self._fed += len(view)
+                return
+            view = view[self.header.header_len - self._fed :]
+        while len(view):
+            if self._state == "frame":
+                take = min(self._left, len(view))
+                self._left -= take
+                yield FramePiece(self._frames - 1, view[:take], self._left == 0)
+                view = view[take:]
+                if not self._left:
+                    self._state = "prefix"
+                continue
+            if self._state == "done":
+                raise InvalidStream("the encoded body goes on after its tail")
+            need = self._need() - len(self._buf)
+            self._buf += view[:need]
+            view = view[need:]
+            if len(self._buf) == self._need():
+                yield from self._complete()
+
+    def _need(self) -> int:
+        return {"prefix": 4, "tail_len": 8}.get(self._state, self._tail_len)
+
+    def _complete(self) -> Iterator[FramePiece | Tail]:
+        """The bytes of a prefix, the tail's length or the tail are all in ``_buf``."""
+        buf, self._buf = bytes(self._buf), bytearray()
+        if self._state == "tail_len":
+            (self._tail_len,) = struct.unpack("<Q", buf)
+            if self._tail_len > self._max_tail:
+                raise PayloadTooLarge(
+                    f"a tail of {self._tail_len} bytes exceeds the limit of {self._max_tail}"
+                )
+            self._state = "tail"
+            if self._tail_len:
+                return
+            buf = b""
+        if self._state == "tail":
+            self.tail = _parse_tail(buf, self._frames)
+            self._state = "done"
+            yield self.tail
+            return
+        (n,) = struct.unpack("<I", buf)
+        if n == _END_MARK:
+            self._state = "tail_len"
+            return
+        if n > self._max_frame:
+            raise PayloadTooLarge(f"a frame of {n} bytes exceeds the limit of {self._max_frame}")
+        if self._frames >= self._max_frames:
+            raise InvalidStream(f"more than the {self._max_frames} frames the header allows")
+        self._frames += 1
+        self._left = n
+        if n:
+            self._state = "frame"
+        else:
+            yield FramePiece(self._frames - 1, memoryview(b""), True)
+
+    def close(self) -> Tail:
+        if self.tail is None:
+            raise InvalidStream("the encoded body ended before its tail")
+        return self.tail
+
+
+def _checksum(value: object) -> bytes:
+    if not isinstance(value, str) or len(value) != 32:
+        raise InvalidStream(f"a checksum must be 32 hex digits, not {value!r:.40}")
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise InvalidStream(f"a checksum must be 32 hex digits, not {value!r:.40}") from None
+
+
+def _int(value: object, what: str) -> int:
+    if type(value) is not int or value < 0:
+        raise InvalidStream(f"{what} must be a non-negative integer, not {value!r:.40}")
+    return value
+
+
+def _parse_tail(text: bytes, frames: int) -> Tail:
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidStream(f"the encoded body's tail is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or set(doc) != {"parent", "chunks", "tensors"}:
+        raise InvalidStream('the tail must be {"parent": ..., "chunks": [...], "tensors": [...]}')
+    parent = doc["parent"]
+    if parent is not None:
+        parent = _int(parent, "parent")
+    rows, tensors = doc["chunks"], doc["tensors"]
+    if not isinstance(rows, list) or not isinstance(tensors, list):
+        raise InvalidStream("the tail's chunks and tensors must be lists")
+    if len(rows) != frames:
+        raise InvalidStream(f"the tail describes {len(rows)} chunks for {frames} frames")
+    chunks = []
+    for row in rows:
+        if not isinstance(row, list) or len(row) != 5 or not isinstance(row[3], str):
+            raise InvalidStream(
+                f"a chunk row must be [tensor, offset, length, codec, checksum]: {row!r:.80}"
+            )
+        idx, off, n = (_int(v, "a chunk's place") for v in row[:3])
+        if len(row[3]) > 200:
+            raise InvalidStream("a chunk's codec spec is longer than 200 characters")
+        chunks.append(TailChunk(idx, off, n, row[3], _checksum(row[4])))
+    return Tail(parent, tuple(chunks), tuple(_checksum(t) for t in tensors))
