@@ -36,7 +36,9 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from ckptstore_core import codec
 from ckptstore_core.errors import InvalidStream, PayloadTooLarge
+from ckptstore_core.pipeline.rows import ChunkInfo, TensorInfo
 from ckptstore_core.wire import Header, StreamParser
 
 __all__ = [
@@ -44,14 +46,17 @@ __all__ = [
     "END",
     "EncodedParser",
     "FramePiece",
+    "Plan",
     "Tail",
     "TailChunk",
+    "chunk_cut",
     "encode_tail",
     "frame",
 ]
 
 CONTENT_TYPE = "application/vnd.ckptstore.encoded"
 _END_MARK = 0xFFFFFFFF
+_FRAME_SLACK = 1 << 16  # a chunk stored raw plus its codec's headers, at most
 END = struct.pack("<I", _END_MARK)
 
 
@@ -81,6 +86,86 @@ class FramePiece:
     last: bool
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What a writer encodes a part against (``POST .../plan``): the step's parent
+    (``parent_id``/``parent_step``, None: the run's first), whether the save is a keyframe
+    (no deltas at all), ``since_keyframe``, the chain depth limit, the chunk size and zstd
+    level, and the parent's tensors and chunks of the names asked for (``begin`` of a
+    tensor: its place in the parent's data section)."""
+
+    parent_id: int | None
+    parent_step: int | None
+    keyframe: bool
+    since_keyframe: int
+    max_chain_depth: int
+    chunk_bytes: int
+    zstd_level: int
+    tensors: tuple[TensorInfo, ...]
+    chunks: tuple[ChunkInfo, ...]
+
+    def to_json(self) -> dict[str, object]:
+        """Rows as arrays, not objects: a large part's parent has many chunks."""
+        return {
+            "parent_id": self.parent_id,
+            "parent_step": self.parent_step,
+            "keyframe": self.keyframe,
+            "since_keyframe": self.since_keyframe,
+            "max_chain_depth": self.max_chain_depth,
+            "chunk_bytes": self.chunk_bytes,
+            "zstd_level": self.zstd_level,
+            "tensors": [
+                [t.idx, t.name, t.dtype, list(t.shape), t.begin, t.nbytes, t.checksum.hex()]
+                for t in self.tensors
+            ],
+            "chunks": [
+                [
+                    c.id,
+                    c.tensor_idx,
+                    c.offset,
+                    c.raw_len,
+                    c.itemsize,
+                    c.codec,
+                    c.base_id,
+                    c.depth,
+                    c.checksum.hex(),
+                ]
+                for c in self.chunks
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, object]) -> Plan:
+        """The plan a service answered (trusted: a writer asks its own service)."""
+        t_rows = doc["tensors"]
+        c_rows = doc["chunks"]
+        assert isinstance(t_rows, list) and isinstance(c_rows, list)
+        tensors = tuple(
+            TensorInfo(i, n, d, tuple(sh), b, nb, bytes.fromhex(ck))
+            for i, n, d, sh, b, nb, ck in t_rows
+        )
+        chunks = tuple(
+            ChunkInfo(ti, off, rl, its, cd, base, dp, 0, 0, bytes.fromhex(ck), cid, "", 0)
+            for cid, ti, off, rl, its, cd, base, dp, ck in c_rows
+        )
+        return cls(
+            _opt_int(doc["parent_id"]),
+            _opt_int(doc["parent_step"]),
+            bool(doc["keyframe"]),
+            _opt_int(doc["since_keyframe"]) or 0,
+            _opt_int(doc["max_chain_depth"]) or 0,
+            _opt_int(doc["chunk_bytes"]) or 0,
+            _opt_int(doc["zstd_level"]) or 0,
+            tensors,
+            chunks,
+        )
+
+
+def _opt_int(value: object) -> int | None:
+    assert value is None or type(value) is int
+    return value
+
+
 def frame(size: int) -> bytes:
     """The prefix of a frame of ``size`` bytes."""
     if not 0 <= size < _END_MARK:
@@ -99,17 +184,28 @@ def encode_tail(parent: int | None, chunks: Sequence[TailChunk], tensors: Sequen
     return END + struct.pack("<Q", len(text)) + text
 
 
-class EncodedParser:
-    """Push parser of an encoded upload (see the module's docstring). ``max_frame`` bounds
-    a frame, ``max_frames`` their number, ``max_tail`` the tail's JSON; :meth:`close`
-    returns the tail once the body ended exactly after it (InvalidStream otherwise)."""
+def chunk_cut(header: Header, chunk_bytes: int) -> Iterator[tuple[int, int, int]]:
+    """Every chunk of the header's tensors, ``(tensor, offset, length)``, in stream order:
+    the cut of :class:`ckptstore_core.pipeline.Splitter` (fixed chunks of
+    :func:`ckptstore_core.codec.chunk_step` bytes, the last one shorter)."""
+    for i, t in enumerate(header.tensors):
+        step = codec.chunk_step(t.itemsize, chunk_bytes)
+        for offset in range(0, t.nbytes, step):
+            yield i, offset, min(step, t.nbytes - offset)
 
-    def __init__(
-        self, max_header_bytes: int, max_frame: int, max_frames: int, max_tail: int
-    ) -> None:
+
+class EncodedParser:
+    """Push parser of an encoded upload (see the module's docstring), for chunks of
+    ``chunk_bytes``: a frame holds at most a chunk and its codec's headers, there are as
+    many frames as the header's tensors have chunks (:func:`chunk_cut`), ``max_tail``
+    bounds the tail's JSON. :meth:`close` returns the tail once the body ended exactly
+    after it (InvalidStream otherwise)."""
+
+    def __init__(self, max_header_bytes: int, chunk_bytes: int, max_tail: int) -> None:
         self._header = StreamParser(max_header_bytes)
-        self._max_frame = max_frame
-        self._max_frames = max_frames
+        self._chunk_bytes = chunk_bytes
+        self._max_frame = max(codec.chunk_step(8, chunk_bytes), chunk_bytes) + _FRAME_SLACK
+        self.max_frames = 0  # known once the header is
         self._max_tail = max_tail
         self.header: Header | None = None
         self._fed = 0  # bytes fed before the header was complete
@@ -126,6 +222,7 @@ class EncodedParser:
             for event in self._header.feed(view):
                 assert isinstance(event, Header)  # the header is yielded first, alone
                 self.header = event
+                self.max_frames = sum(1 for _ in chunk_cut(event, self._chunk_bytes))
                 yield event
                 break
             if self.header is None:
@@ -176,8 +273,8 @@ class EncodedParser:
             return
         if n > self._max_frame:
             raise PayloadTooLarge(f"a frame of {n} bytes exceeds the limit of {self._max_frame}")
-        if self._frames >= self._max_frames:
-            raise InvalidStream(f"more than the {self._max_frames} frames the header allows")
+        if self._frames >= self.max_frames:
+            raise InvalidStream(f"more than the {self.max_frames} frames the header allows")
         self._frames += 1
         self._left = n
         if n:

@@ -141,6 +141,11 @@ class CheckpointInfo(_Record):
     #: its paired fp32 weights and Adam moments were stored with (docs/lossy.md): it loads
     #: to the same bytes every time, not to the bytes saved
     lossy: dict[str, Any] | None = None
+    #: who encoded its chunks and how far they are checked: ``service`` (encoded and checked
+    #: by the service), else written by clients that encoded their own (``direct=True``):
+    #: ``pending`` (committed, not decoded by the verifier yet; every load still checks each
+    #: chunk's checksum), ``verified``, or ``corrupt`` (loads fail with corrupt_data)
+    verification: str = "service"
 
 
 @dataclass(frozen=True, slots=True)

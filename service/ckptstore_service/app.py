@@ -20,12 +20,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptstore_core.errors import CkptStoreError, InternalError, InvalidRequest
-from ckptstore_service.api import auth, dashboard, lifecycle, parts, retention
+from ckptstore_service.api import auth, dashboard, direct, lifecycle, parts, retention
 from ckptstore_service.api.body import BodyLimits, Uploads
 from ckptstore_service.api.instrument import instrument
 from ckptstore_service.api.routes import router, unrouted
 from ckptstore_service.auth import OPEN, auth_required
 from ckptstore_service.maintenance import Maintenance, RerootPolicy
+from ckptstore_service.maintenance.verify import Verifier
 from ckptstore_service.memory import MemoryTrimmer
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.runtime import Runtime
@@ -93,9 +94,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             metrics=metrics,
             retention=settings.default_retention(),
         )
+        verifier = Verifier(
+            runtime.catalog,
+            runtime.source,
+            metrics,
+            settings.verify_interval_s,
+            settings.verify_cpu_share,
+        )
         try:
             yield
         finally:
+            await run_in_threadpool(verifier.close)
             await run_in_threadpool(app.state.maintenance.close)
             await run_in_threadpool(runtime.close)
             await run_in_threadpool(trimmer.close)
@@ -111,6 +120,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.include_router(router)
     app.include_router(parts.router)
+    app.include_router(direct.router)
     app.include_router(lifecycle.router)
     app.include_router(retention.router)
     auth.install(app, tokens_required, OPEN)  # before the metrics: they count refusals too

@@ -104,6 +104,13 @@ class Metrics:
         self._parts = Counter(
             "ckptstore_parts_uploaded", "Parts stored (not counting retries)", registry=r
         )
+        self._verified = Counter(
+            "ckptstore_verifications",
+            "Checkpoints with client-encoded chunks decoded by the verifier, by result "
+            "(verified, corrupt)",
+            ["result"],
+            registry=r,
+        )
         self._depth = Histogram(
             "ckptstore_saved_chain_depth",
             "Chain depth (the longest delta chain a load decodes) of each checkpoint made visible",
@@ -219,6 +226,11 @@ class Metrics:
     def committed(self, record: CheckpointRecord) -> None:
         """A checkpoint written in parts was made visible (its bytes counted with its parts)."""
         self._depth.observe(record.chain_depth)
+
+    def verified(self, result: str) -> None:
+        """The verifier decoded a checkpoint's client-encoded chunks: ``verified`` or
+        ``corrupt``."""
+        self._verified.labels(result).inc()
 
     def parts_collected(self, parts: Sequence[PartRecord]) -> None:
         """Parts nobody will commit were deleted (by a commit that did not name them, a retry

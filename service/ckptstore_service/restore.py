@@ -86,6 +86,11 @@ class Loader:
         names: Collection[str] | None,
     ) -> Restore:
         info = self._catalog.get(run, step)
+        if info.verification == "corrupt":
+            raise CorruptData(
+                f"checkpoint {run}/{info.step} holds client-encoded chunks that do not decode "
+                "to their checksums (found by the verifier)"
+            )
         tensors = tensors_of(self._catalog, info)
         view = full_view(info.stored_metadata, tensors, prefix) if names is None else None
         if view is not None:

@@ -23,6 +23,7 @@ from ckptstore_service.maintenance.garbage import collect_crashed_uploads
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.restore import Loader
 from ckptstore_service.save import Saver
+from ckptstore_service.save.direct import DirectSaver
 from ckptstore_service.save.parts import PartSaver
 from ckptstore_service.settings import Settings
 from ckptstore_service.storage import BlobStore, S3Timeouts, open_blob_store
@@ -91,6 +92,7 @@ class Runtime:
     source: ChainSource = field(init=False)
     saver: Saver = field(init=False)
     parts: PartSaver = field(init=False)
+    direct: DirectSaver = field(init=False)
     loader: Loader = field(init=False)
     policy: CachePolicy = field(init=False)
 
@@ -113,6 +115,7 @@ class Runtime:
             2 * self.budget.bytes_in_flight,
             self.metrics,
         )
+        self.direct = DirectSaver(self.catalog, self.store, self.parts, self.settings, self.metrics)
 
     @classmethod
     def open(cls, settings: Settings, metrics: Metrics | None = None) -> Runtime:

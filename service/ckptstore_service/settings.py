@@ -65,6 +65,19 @@ class Settings(BaseSettings):
         description="How often the background sweep collects, on every run, garbage that is "
         "due and parts that are abandoned (CKPTSTORE_PARTS_TTL_S) or have no writer.",
     )
+    verify_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often the verifier looks for committed checkpoints whose chunks "
+        "their writers encoded (direct=True) and decodes them (docs/scale.md).",
+    )
+    verify_cpu_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="The share of the verifier's wall time it may spend decoding: it pauses "
+        "between chunks to keep to it (1: no pauses).",
+    )
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_path_style: bool = False

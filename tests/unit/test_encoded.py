@@ -32,12 +32,7 @@ def body(frames: list[bytes], parent: int | None = 7) -> tuple[bytes, Tail]:
 
 
 def parse(data: bytes, cut: list[int], **limits: int) -> tuple[Header, dict[int, bytes], Tail]:
-    p = EncodedParser(
-        limits.get("header", 1 << 20),
-        limits.get("frame", 1 << 20),
-        limits.get("frames", 2),
-        limits.get("tail", 1 << 20),
-    )
+    p = EncodedParser(limits.get("header", 1 << 20), 64 << 10, limits.get("tail", 1 << 20))
     frames: dict[int, bytes] = {}
     ended: list[int] = []
     header = None
@@ -80,16 +75,18 @@ def test_refused() -> None:
         parse(data[:-3], [])
     with pytest.raises(InvalidStream, match="after its tail"):
         parse(data + b"x", [])
-    with pytest.raises(PayloadTooLarge, match="frame of 16 bytes"):
-        parse(data, [], frame=15)
-    with pytest.raises(InvalidStream, match="frames the header allows"):
-        parse(data, [], frames=1)
+    head_end = data.index(frame(16))
+    with pytest.raises(PayloadTooLarge, match="frame of 200000 bytes"):
+        parse(data[:head_end] + frame(200_000), [])
+    third = data[: data.index(END)] + frame(1) + b"z" + data[data.index(END) :]
+    with pytest.raises(InvalidStream, match="more than the 2 frames"):
+        parse(third, [])
     with pytest.raises(PayloadTooLarge, match="tail of"):
         parse(data, [], tail=10)
-    short, _ = body([b"0123456789abcdef"])
-    extra = short[: short.index(END)] + frame(1) + b"z" + short[short.index(END) :]
-    with pytest.raises(InvalidStream, match="1 chunks for 2 frames"):
-        parse(extra, [])
+    one_frame = data[: data.index(frame(0) + END)]
+    rows = [TailChunk(0, 0, 16, "raw/1", CK), TailChunk(1, 0, 3, "ref", CK)]
+    with pytest.raises(InvalidStream, match="2 chunks for 1 frames"):
+        parse(one_frame + encode_tail(7, rows, [CK, CK]), [])
     bad = data.replace(CK.hex().encode(), b"zz" * 16, 1)
     with pytest.raises(InvalidStream, match="32 hex digits"):
         parse(bad, [])

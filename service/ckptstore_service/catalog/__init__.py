@@ -178,9 +178,10 @@ class Catalog:
         chunks: Sequence[NewChunk],
         sibling_bases: dict[int, int],
         fence: Lease | None = None,
+        encoded_by: str = "service",
     ) -> None:
         """Make the part ``done`` (its rows in); ``fence``: the part lock's lease, checked
-        in the same transaction."""
+        in the same transaction; ``encoded_by``: ``client`` for chunks its writer encoded."""
         parts.finish_part(
             self._db,
             part,
@@ -190,6 +191,7 @@ class Catalog:
             chunks=chunks,
             sibling_bases=sibling_bases,
             fence=fence,
+            encoded_by=encoded_by,
         )
 
     def part_tensors(self, part: PartRecord) -> list[TensorInfo]:
@@ -254,6 +256,14 @@ class Catalog:
 
     def run_exists(self, run: str) -> bool:
         return checkpoints.run_exists(self._db, run)
+
+    def to_verify(self, limit: int = 16) -> list[CheckpointRecord]:
+        """Committed checkpoints with client-encoded chunks not verified yet, oldest first."""
+        return checkpoints.to_verify(self._db, limit)
+
+    def set_verification(self, checkpoint_id: int, state: str) -> bool:
+        """The verifier's verdict (``verified`` or ``corrupt``) on a pending checkpoint."""
+        return checkpoints.set_verification(self._db, checkpoint_id, state)
 
     def parent_of(self, run: str, step: int) -> CheckpointRecord | None:
         """The committed checkpoint of ``run`` with the greatest step below ``step``."""

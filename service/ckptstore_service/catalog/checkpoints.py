@@ -10,14 +10,14 @@ import json
 from collections.abc import Collection
 from typing import Any
 
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import aliased
 
 from ckptstore_core.errors import CheckpointNotFound, RunNotFound
 from ckptstore_core.records import RunInfo, user_metadata
 from ckptstore_service.catalog.db import Database, utc
-from ckptstore_service.catalog.models import COMMITTED, Checkpoint, Run
+from ckptstore_service.catalog.models import COMMITTED, PENDING, Checkpoint, Run
 from ckptstore_service.catalog.records import CheckpointRecord
 
 __all__ = [
@@ -28,6 +28,8 @@ __all__ = [
     "list_runs",
     "parent_of",
     "run_exists",
+    "set_verification",
+    "to_verify",
 ]
 
 
@@ -77,6 +79,7 @@ def _info(row: Any) -> CheckpointRecord:
         metadata=user_metadata(stored),
         pinned=ck.pinned,
         lossy=None if ck.lossy_json is None else json.loads(ck.lossy_json),
+        verification=ck.verification,
     )
 
 
@@ -176,3 +179,29 @@ def list_runs(db: Database, name: str | None = None) -> list[RunInfo]:
         RunInfo(name, int(n), int(latest), int(raw), int(stored), utc(created))
         for name, n, latest, raw, stored, created in rows
     ]
+
+
+def to_verify(db: Database, limit: int) -> list[CheckpointRecord]:
+    """Committed checkpoints whose client-encoded chunks the verifier has not decoded yet,
+    oldest commit first."""
+    query = (
+        _info_query()
+        .where(Checkpoint.verification == PENDING)
+        .order_by(Checkpoint.committed_at, Checkpoint.id)
+        .limit(limit)
+    )
+    with db.session() as s:
+        return [_info(row) for row in s.execute(query).all()]
+
+
+def set_verification(db: Database, checkpoint_id: int, state: str) -> bool:
+    """Record the verifier's verdict on a PENDING checkpoint; whether it was still there
+    (deleted meanwhile: False)."""
+    with db.session() as s:
+        done = s.execute(
+            update(Checkpoint)
+            .where(Checkpoint.id == checkpoint_id, Checkpoint.verification == PENDING)
+            .values(verification=state)
+            .returning(Checkpoint.id)
+        ).first()
+    return done is not None

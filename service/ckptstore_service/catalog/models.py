@@ -42,6 +42,13 @@ WRITING = "writing"
 COMMITTED = "committed"
 PARTS = "parts"  # a checkpoint of several parts, not committed yet (see Part)
 DONE = "done"  # a part whose blob is durable and whose rows are in
+# who encoded a part's chunks (parts.encoded_by), and how far a checkpoint's are checked
+# (checkpoints.verification): docs/scale.md
+SERVICE = "service"  # encoded by the service, checked as it encoded them
+CLIENT = "client"  # encoded by its writer (direct=True)
+PENDING = "pending"  # holds client-encoded chunks the verifier has not decoded yet
+VERIFIED = "verified"  # the verifier decoded every chunk to its raw checksum
+CORRUPT = "corrupt"  # the verifier found a chunk that does not decode to its checksum
 # A deleted checkpoint's row stays, without tensors, chunks, parts or blob, invisible like an
 # upload in progress: its id is never given again (SQLite reuses the largest rowid once its
 # row is gone), so nothing keyed by a checkpoint id, such as a replica's base-cache file,
@@ -101,6 +108,8 @@ class Checkpoint(Base):
     # NULL: bit-exact; else the JSON of the lossy parameters its paired tensors were stored
     # with (ckptstore_core.lossy.Lossy.to_json(), docs/lossy.md)
     lossy_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # SERVICE, PENDING, VERIFIED or CORRUPT (see above)
+    verification: Mapped[str] = mapped_column(String(16), default=SERVICE, server_default=SERVICE)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
     committed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
@@ -123,6 +132,7 @@ class Part(Base):
     raw_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     n_tensors: Mapped[int] = mapped_column(Integer, default=0)
+    encoded_by: Mapped[str] = mapped_column(String(16), default=SERVICE, server_default=SERVICE)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
 
 

@@ -35,9 +35,12 @@ from ckptstore_service.catalog.db import Database, utc
 from ckptstore_service.catalog.graph import tensors
 from ckptstore_service.catalog.locks import Lease, check_fence
 from ckptstore_service.catalog.models import (
+    CLIENT,
     COMMITTED,
     DONE,
     PARTS,
+    PENDING,
+    SERVICE,
     WRITING,
     Base,
     Checkpoint,
@@ -166,9 +169,12 @@ def finish_part(
     chunks: Sequence[NewChunk],
     sibling_bases: dict[int, int],
     fence: Lease | None = None,
+    encoded_by: str = SERVICE,
 ) -> None:
     """The part's rows and ``done``, in one transaction, once its blob is durable.
-    ``fence``: the part lock's lease, checked first (LockLost, changing nothing).
+    ``fence``: the part lock's lease, checked first (LockLost, changing nothing);
+    ``encoded_by``: CLIENT for chunks its writer encoded (the commit marks the checkpoint
+    PENDING for the verifier).
 
     CheckpointExists, changing nothing, if the checkpoint was committed (without this part)
     or abandoned meanwhile: its rows must not join a checkpoint that is visible. The part's
@@ -186,6 +192,7 @@ def finish_part(
                 raw_bytes=raw_bytes,
                 stored_bytes=stored_bytes,
                 n_tensors=len(tensors),
+                encoded_by=encoded_by,
             )
             .returning(Part.id)
         ).first()
@@ -364,6 +371,8 @@ def commit_parts(
             "n_parts": len(listed),
             "metadata_json": json.dumps(metadata),
             "committed_at": datetime.now(UTC),
+            # chunks a writer encoded are decoded by the verifier before they count as checked
+            "verification": PENDING if _client_parts(s, listed) else SERVICE,
         }
         try:
             s.execute(
@@ -375,6 +384,12 @@ def commit_parts(
             raise CheckpointExists(f"{run}/{step} was committed concurrently") from exc
     # a part still being written is left to its writer (its finish now fails) and the sweep
     return [p for p in found.values() if p.name not in names and p.status == DONE]
+
+
+def _client_parts(s: Session, listed: list[PartRecord]) -> set[int]:
+    """The ids of the parts of ``listed`` whose chunks their writers encoded."""
+    ids = [p.id for p in listed]
+    return set(s.scalars(select(Part.id).where(Part.id.in_(ids), Part.encoded_by == CLIENT)))
 
 
 def committed_parts(db: Database, checkpoint_id: int) -> list[str]:

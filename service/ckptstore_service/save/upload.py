@@ -217,7 +217,9 @@ class PartTransaction(_BlobTransaction):
         tensors: Sequence[TensorInfo],
         chunks: Sequence[NewChunk],
         sibling_bases: dict[int, int],
+        encoded_by: str = "service",
     ) -> None:
+        """``encoded_by``: ``client`` when the part's writer encoded its chunks."""
         self._catalog.finish_part(
             self.part,
             raw_bytes=raw_bytes,
@@ -226,5 +228,6 @@ class PartTransaction(_BlobTransaction):
             chunks=chunks,
             sibling_bases=sibling_bases,
             fence=self._lease,
+            encoded_by=encoded_by,
         )
         self.committed = True

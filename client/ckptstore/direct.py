@@ -1,0 +1,256 @@
+"""Parts encoded by their writer (``direct=True``): the client runs the core's chunk pipeline
+itself and sends what it stored, so the service never encodes (docs/scale.md).
+
+    plan   POST .../plan {"names": [...]}: the parent, the keyframe and depth rules, and the
+           parent's tensors and chunks (ckptstore_core.encoded.Plan)
+    encode the chunk pipeline (ckptstore_core.pipeline) against this writer's own copy of
+           the parent: the raw bytes of the last part it saved of the run, kept in a file
+    send   PUT .../parts/{part}/encoded: header, one frame per chunk as it is encoded,
+           then the tail of rows (ckptstore_core.encoded)
+
+**Bases.** A chunk is a delta only against bytes this writer holds and knows to be the
+parent's: the raw data of the last part it saved of the run (:class:`BaseFile`, written by
+the pipeline as it encodes, on local disk, not in memory), tensor by tensor where the plan's
+parent tensor has the same name, dtype, shape and checksum. Anything else is encoded
+self-contained (the first save of a process, a parent another writer saved). Memory: the
+pipeline's budget, ``2 * workers + 2`` chunks in flight (with the default 4 MiB chunks and
+2 workers, 24 MiB), plus the pieces queued for the socket; disk: one raw copy of the last
+part per run (the newest ``keep_runs`` runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ckptstore_core.encoded import CONTENT_TYPE, Plan, TailChunk, encode_tail, frame
+from ckptstore_core.pipeline import (
+    Budget,
+    Buffer,
+    ChunkPipeline,
+    DeltaPlanner,
+    FileBases,
+    Stored,
+    TensorInfo,
+)
+from ckptstore_core.wire import Header, TensorPiece, encode_header
+
+__all__ = ["BaseFile", "DirectWriter", "Sent", "pieces_of"]
+
+_PIECE = 8 << 20
+_DONE = object()
+
+JsonCall = Callable[[str, str, Any], Any]  # (method, path, payload) -> the answer's JSON
+StreamCall = Callable[[str, str, Callable[[], Iterator[bytes]], str], Any]
+
+
+@dataclass(frozen=True)
+class Sent:
+    r"""A part sent: the service's answer, and its raw bytes (a new base file) until the
+    caller :meth:`DirectWriter.keep`\ s or :meth:`DirectWriter.discard`\ s them."""
+
+    answer: Any
+    run: str
+    base: BaseFile
+
+
+@dataclass(frozen=True)
+class BaseFile:
+    """The raw data section of the last part this writer saved of a run: ``path`` holds
+    each tensor of ``tensors`` (its name, dtype, shape, checksum) at its ``begin``."""
+
+    path: str
+    tensors: tuple[TensorInfo, ...]
+
+
+class DirectWriter:
+    """Encodes parts and sends them encoded (see the module's docstring). ``call`` and
+    ``stream`` are the client's requests (JSON, and a streamed body of unknown length);
+    ``workers`` the codec threads."""
+
+    def __init__(
+        self, call: JsonCall, stream: StreamCall, workers: int | None = None, keep_runs: int = 2
+    ) -> None:
+        self._call = call
+        self._stream = stream
+        self._workers = workers or min(4, os.cpu_count() or 2)
+        self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="ckptstore-encode")
+        self._dir = tempfile.TemporaryDirectory(prefix="ckptstore-bases-")
+        self._bases: OrderedDict[str, BaseFile] = OrderedDict()
+        self._keep = keep_runs
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._dir.cleanup()
+
+    def save_part(
+        self,
+        path: str,
+        run: str,
+        part: str,
+        specs: Sequence[tuple[str, str, tuple[int, ...]]],
+        data: Callable[[], Iterator[TensorPiece]],
+        metadata: Mapping[str, str],
+    ) -> Sent:
+        r"""Plan, encode and send part ``part`` of the checkpoint at ``path`` (its URL path)
+        of ``run``: the tensors ``specs``, whose bytes ``data`` yields in that order. The
+        new raw file becomes the run's base once the caller :meth:`keep`\ s it (after its
+        commit), else :meth:`discard` it."""
+        plan = Plan.from_json(self._call("POST", path + "/plan", {"names": [s[0] for s in specs]}))
+        prefix, header = encode_header(list(specs), dict(metadata))
+        planner = self._planner(run, plan, header)
+        fd, raw_path = tempfile.mkstemp(dir=self._dir.name)
+        os.close(fd)
+        result: list[Stored] = []
+
+        def body() -> Iterator[bytes]:
+            base = self._bases.get(run)
+            with (
+                open(raw_path, "r+b") as raw,
+                open(base.path if base else os.devnull, "rb") as old,
+            ):
+                pipeline = ChunkPipeline(
+                    self._pool, Budget(self._workers, plan.chunk_bytes), plan.chunk_bytes,
+                    plan.zstd_level,
+                )  # fmt: skip
+                bases = FileBases(old.fileno()) if base else None
+                yield prefix
+                run_it = lambda sink: pipeline.run(  # noqa: E731
+                    header, data(), planner(), bases, raw.fileno(), sink
+                )
+                stored = yield from _framed(run_it)
+                result[:] = [stored]
+                rows = [
+                    TailChunk(c.tensor_idx, c.offset, c.raw_len, c.codec, c.checksum)
+                    for c in stored.chunks
+                ]
+                yield encode_tail(plan.parent_id, rows, [t.checksum for t in stored.tensors])
+
+        try:
+            answer = self._stream("PUT", f"{path}/parts/{part}/encoded", body, CONTENT_TYPE)
+        except BaseException:
+            os.unlink(raw_path)
+            raise
+        return Sent(answer, run, BaseFile(raw_path, tuple(result[0].tensors)))
+
+    def keep(self, sent: Sent) -> None:
+        """``sent`` was committed: its raw bytes are its run's base from now on."""
+        with self._lock:
+            old = self._bases.pop(sent.run, None)
+            if old is not None:
+                os.unlink(old.path)
+            self._bases[sent.run] = sent.base
+            while len(self._bases) > self._keep:
+                _, dropped = self._bases.popitem(last=False)
+                os.unlink(dropped.path)
+
+    def discard(self, sent: Sent) -> None:
+        """``sent`` was not committed: its raw bytes are no base."""
+        os.unlink(sent.base.path)
+
+    def _planner(self, run: str, plan: Plan, header: Header) -> Callable[[], DeltaPlanner]:
+        """A planner against the parent's chunks this writer holds the bytes of: the tensors
+        of its base file that match the plan's parent tensor exactly, at their place in the
+        file (a fresh planner per attempt: it keeps state)."""
+        base = self._bases.get(run)
+        held = (
+            {}
+            if base is None
+            else {(t.name, t.dtype, t.shape, t.checksum): t for t in base.tensors}
+        )
+        tensors: dict[int, TensorInfo] = {}
+        for t in plan.tensors:
+            mine = held.get((t.name, t.dtype, t.shape, t.checksum))
+            if mine is not None:
+                tensors[t.idx] = replace(t, begin=mine.begin)
+        chunks = [c for c in plan.chunks if c.tensor_idx in tensors]
+
+        def make() -> DeltaPlanner:
+            return DeltaPlanner(
+                header,
+                keyframe=plan.keyframe,
+                since_keyframe=plan.since_keyframe,
+                max_chain_depth=plan.max_chain_depth,
+                parent_tensors=tensors,
+                parent_chunks=chunks,
+            )
+
+        return make
+
+
+class _QueueSink:
+    """The pipeline's sink in the encoding thread: each chunk as a frame, queued for the
+    request body (bounded: the encoder waits for the socket)."""
+
+    def __init__(self, q: queue.Queue[object], stop: threading.Event) -> None:
+        self._q = q
+        self._stop = stop
+        self.written = 0
+
+    def put(self, item: object) -> None:
+        """Queue ``item``; raises once the request gave up (the encoder stops there)."""
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+        raise _Cancelled
+
+    def write(self, parts: Iterable[Buffer]) -> tuple[int, int]:
+        parts = list(parts)
+        size = sum(len(p) for p in parts)
+        self.put(frame(size))
+        for p in parts:
+            self.put(p)
+        offset, self.written = self.written, self.written + size
+        return offset, size
+
+
+class _Cancelled(Exception):
+    """The request body is no longer read: the encoder stops."""
+
+
+def _framed(run: Callable[[_QueueSink], Stored]) -> Generator[Any, None, Stored]:
+    """Run the pipeline in a thread of its own, yielding its frames as they come; returns
+    what it stored (a generator's return value) or raises what it raised."""
+    q: queue.Queue[object] = queue.Queue(16)
+    out: list[Stored | BaseException] = []
+    stop = threading.Event()
+    sink = _QueueSink(q, stop)
+
+    def work() -> None:
+        try:
+            out.append(run(sink))
+        except BaseException as exc:
+            out.append(exc)
+        with contextlib.suppress(_Cancelled):
+            sink.put(_DONE)
+
+    thread = threading.Thread(target=work, name="ckptstore-direct", daemon=True)
+    thread.start()
+    try:
+        while (item := q.get()) is not _DONE:
+            yield item
+    finally:
+        stop.set()  # a consumer gone early: the encoder stops at its next chunk
+        thread.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+def pieces_of(tensors: Sequence[memoryview]) -> Iterator[TensorPiece]:
+    """The tensors' bytes as pipeline pieces, in order, 8 MiB at most each."""
+    for i, data in enumerate(tensors):
+        for off in range(0, len(data), _PIECE):
+            yield TensorPiece(i, off, data[off : off + _PIECE])

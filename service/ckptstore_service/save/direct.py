@@ -1,0 +1,309 @@
+"""Parts whose writers encoded their own chunks (``direct=True``, docs/scale.md): the plan
+a writer encodes against, and the registration of what it stored.
+
+    writer: plan(names) -> run the core's chunk pipeline against the plan's parent
+         -> PUT the encoded part (ckptstore_core.encoded: header, frames, tail)
+    here:   header checked -> part lock -> each frame appended to the part's blob as it
+            arrives (stored as sent, never decoded here) -> the tail's rows checked against
+            this service's own plan of the same parent -> blob durable -> part ``done``,
+            ``encoded_by=client``
+    commit: as any part (:meth:`PartSaver.commit`); the checkpoint is ``pending`` until the
+            verifier (:mod:`ckptstore_service.maintenance.verify`) decoded every chunk.
+
+What the service trusts a writer with is only what it cannot check without decoding: each
+chunk's stored bytes, its codec and the checksum of its raw bytes. Everything else it
+derives itself: the chunk cut (the same fixed chunks a service-side save makes, so later
+saves line up), each chunk's base, depth and sibling (its own :class:`DeltaPlanner` over
+the same parent, which the writer names: a plan made against another parent is refused),
+the chunk's place in the blob (its frame's). A writer can thus point at no chunk but the
+one at the same place in the parent, and a delta is refused where the plan allows none
+(a keyframe, a chain at its depth limit). What it encoded wrongly under honest-looking
+checksums fails every load's checksum check until the verifier marks the checkpoint
+corrupt; no other checkpoint is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from ckptstore_core import codec
+from ckptstore_core.encoded import EncodedParser, FramePiece, Plan, Tail, chunk_cut
+from ckptstore_core.errors import CheckpointExists, InvalidRequest, InvalidStream, PayloadTooLarge
+from ckptstore_core.lossy import LOSSY
+from ckptstore_core.pipeline import ChunkInfo, DeltaPlanner, NewChunk, RawChunk, TensorInfo
+from ckptstore_core.pipeline.plan import rests_on_base
+from ckptstore_core.records import LOSSY_KEY
+from ckptstore_core.wire import Header
+from ckptstore_service.catalog import Catalog, Lease, PartRecord
+from ckptstore_service.catalog.models import CLIENT
+from ckptstore_service.metrics import Metrics
+from ckptstore_service.names import check_part_name
+from ckptstore_service.save.header import check_metadata
+from ckptstore_service.save.parts import PartSaver
+from ckptstore_service.save.plan import planner_for
+from ckptstore_service.save.upload import PartTransaction
+from ckptstore_service.settings import Settings
+from ckptstore_service.storage import BlobStore
+
+__all__ = ["DirectSaver"]
+
+log = logging.getLogger("ckptstore")
+
+_NO_BLOCK = np.empty(0, np.uint8)  # a planned chunk's buffer: the plan reads only its place
+
+
+class DirectSaver:
+    """Plans and registers client-encoded parts (see the module's docstring)."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        store: BlobStore,
+        parts: PartSaver,
+        settings: Settings,
+        metrics: Metrics,
+    ) -> None:
+        self._catalog = catalog
+        self._blobs = store
+        self._parts = parts
+        self._settings = settings
+        self._metrics = metrics
+
+    def plan(self, run: str, step: int, names: Sequence[str]) -> Plan:
+        """The plan of a part of ``run/step`` holding the tensors ``names``."""
+        s = self._settings
+        parent = self._catalog.parent_of(run, step)
+        tensors: list[TensorInfo] = []
+        chunks: list[ChunkInfo] = []
+        since = 0 if parent is None else parent.since_keyframe + 1
+        keyframe = parent is None or since >= s.keyframe_interval
+        if parent is not None:
+            wanted = set(names)
+            tensors = [t for t in self._catalog.tensors(parent.id) if t.name in wanted]
+            ids = {t.idx for t in tensors}
+            chunks = [c for c in self._catalog.chunks(parent.id) if c.tensor_idx in ids]
+        return Plan(
+            None if parent is None else parent.id,
+            None if parent is None else parent.step,
+            keyframe,
+            0 if keyframe else since,
+            s.max_chain_depth,
+            s.chunk_bytes,
+            s.zstd_level,
+            tuple(tensors),
+            tuple(chunks),
+        )
+
+    def ingest(
+        self, run: str, step: int, name: str, body: Iterable[bytes], content_length: int | None
+    ) -> tuple[PartRecord, bool]:
+        """Register part ``name`` of ``run/step`` from an encoded body; returns (part,
+        created), as :meth:`PartSaver.ingest_part` does for a raw one."""
+        check_part_name(name)
+        it = iter(body)
+        parser, header, first = self._open(it)
+        frames = _frames(parser, first, it)
+        run_id = self._catalog.ensure_run(run)
+        with self._catalog.run_lock(run):
+            checkpoint_id = self._catalog.open_parts(run_id, step)
+        with self._catalog.part_lock(run, step, name, blocking=False) as held:
+            if held is None:
+                raise CheckpointExists(f"part {name!r} of {run}/{step} is being uploaded")
+            existing = self._catalog.find_part(checkpoint_id, name)
+            if existing is not None and existing.status == "done":
+                return self._same_part(existing, header, frames, parser), False
+            if existing is not None:  # a crashed upload of this part: its lock is free
+                self._parts.collect(existing)
+            self._store(run, step, checkpoint_id, name, header, frames, parser, held)
+        part = self._catalog.find_part(checkpoint_id, name)
+        assert part is not None
+        self._metrics.part_saved(part)
+        return part, True
+
+    def _open(self, it: Iterator[bytes]) -> tuple[EncodedParser, Header, list[FramePiece]]:
+        """The body's header, checked as a raw upload's is, and the frame pieces after it."""
+        s = self._settings
+        parser = EncodedParser(s.max_header_bytes, s.chunk_bytes, s.max_header_bytes)
+        for data in it:
+            events = list(parser.feed(data))
+            if parser.header is None:
+                continue
+            header = parser.header
+            if len(header.tensors) > s.max_tensors:
+                raise PayloadTooLarge(
+                    f"the header declares {len(header.tensors)} tensors, more than the "
+                    f"{s.max_tensors} one part may hold (CKPTSTORE_MAX_TENSORS)"
+                )
+            if header.data_len > s.max_upload_bytes:
+                raise PayloadTooLarge(
+                    f"a part of {header.data_len} bytes exceeds the limit of "
+                    f"{s.max_upload_bytes} bytes"
+                )
+            check_metadata(header)
+            if LOSSY_KEY in header.metadata:
+                raise InvalidRequest("a part encoded by its writer cannot be lossy")
+            pieces = [_copy(e) for e in events if isinstance(e, FramePiece)]
+            return parser, header, pieces
+        parser.close()  # raises: the body ended early
+        raise AssertionError("unreachable")
+
+    def _store(
+        self,
+        run: str,
+        step: int,
+        checkpoint_id: int,
+        name: str,
+        header: Header,
+        frames: Iterator[FramePiece],
+        parser: EncodedParser,
+        lease: Lease,
+    ) -> None:
+        parent = self._catalog.parent_of(run, step)
+        planner, _ = planner_for(self._catalog, self._settings, header, parent)
+        with PartTransaction.begin(
+            self._catalog, self._blobs, run, step, checkpoint_id, name, lease
+        ) as tx:
+            places = _appended(frames, tx)
+            tail = parser.close()
+            want = None if parent is None else parent.id
+            if tail.parent != want:
+                raise CheckpointExists(
+                    f"part {name!r} of {run}/{step} was encoded against checkpoint "
+                    f"{tail.parent}, but the step's parent is now {want}: plan it again"
+                )
+            tensors, chunks, siblings = _rows(header, tail, planner, places, self._settings)
+            stored_bytes = tx.finish()
+            tx.commit(
+                raw_bytes=header.data_len,
+                stored_bytes=stored_bytes,
+                tensors=tensors,
+                chunks=chunks,
+                sibling_bases=siblings,
+                encoded_by=CLIENT,
+            )
+        log.info(
+            "registered client-encoded part %s of %s/%d: %d -> %d bytes",
+            name,
+            run,
+            step,
+            header.data_len,
+            stored_bytes,
+        )
+
+    def _same_part(
+        self, part: PartRecord, header: Header, frames: Iterator[FramePiece], parser: EncodedParser
+    ) -> PartRecord:
+        """A finished part sent again: the same tensors (name, dtype, shape, checksum) are
+        an idempotent retry, anything else CheckpointExists."""
+        for _ in frames:
+            pass  # read to the tail, storing nothing
+        tail = parser.close()
+        sent = [
+            (t.name, t.dtype, t.shape, c) for t, c in zip(header.tensors, tail.tensors, strict=True)
+        ]
+        stored = [(t.name, t.dtype, t.shape, t.sent) for t in self._catalog.part_tensors(part)]
+        if sent != stored:
+            raise CheckpointExists(f"part {part.name!r} holds other data")
+        return part
+
+
+def _copy(p: FramePiece) -> FramePiece:
+    # a piece views the body's buffer, which the caller does not keep alive
+    return FramePiece(p.index, memoryview(bytes(p.data)), p.last)
+
+
+def _frames(
+    parser: EncodedParser, first: list[FramePiece], it: Iterator[bytes]
+) -> Iterator[FramePiece]:
+    yield from first
+    for data in it:
+        for event in parser.feed(data):
+            if isinstance(event, FramePiece):
+                yield _copy(event)
+
+
+def _appended(frames: Iterator[FramePiece], tx: PartTransaction) -> list[tuple[int, int]]:
+    """Append each frame to the blob; each one's (offset, length) there, in frame order."""
+    places: list[tuple[int, int]] = []
+    start = size = 0
+    for piece in frames:
+        offset, n = tx.write((piece.data,))
+        if size == 0:
+            start = offset
+        size += n
+        if piece.last:
+            places.append((start, size))
+            size = 0
+    return places
+
+
+def _rows(
+    header: Header,
+    tail: Tail,
+    planner: DeltaPlanner,
+    places: list[tuple[int, int]],
+    settings: Settings,
+) -> tuple[list[TensorInfo], list[NewChunk], dict[int, int]]:
+    """The part's rows from the tail, each chunk checked against this service's plan
+    (InvalidStream for one the plan does not allow, see the module's docstring)."""
+    if len(tail.tensors) != len(header.tensors):
+        raise InvalidStream(
+            f"the tail gives {len(tail.tensors)} tensor checksums for {len(header.tensors)} tensors"
+        )
+    cuts = list(chunk_cut(header, settings.chunk_bytes))
+    if len(tail.chunks) != len(cuts):
+        raise InvalidStream(f"the tail describes {len(tail.chunks)} chunks, the header {len(cuts)}")
+    chunks: list[NewChunk] = []
+    siblings: dict[int, int] = {}
+    for k, (row, cut, (blob_offset, size)) in enumerate(
+        zip(tail.chunks, cuts, places, strict=True)
+    ):
+        t = header.tensors[cut[0]]
+        where = f"chunk {k} (tensor {t.name!r} at {cut[1]})"
+        if (row.tensor_idx, row.offset, row.raw_len) != cut:
+            raise InvalidStream(
+                f"{where}: the tail names {row.tensor_idx, row.offset, row.raw_len}"
+            )
+        if row.codec == LOSSY or (row.codec == codec.REF and size):
+            raise InvalidStream(f"{where}: codec {row.codec!r} with {size} stored bytes")
+        raw = RawChunk(cut[0], cut[1], cut[2], t.itemsize, t.begin + cut[1], _NO_BLOCK)
+        try:
+            plan = planner.plan(raw)
+        except KeyError:  # a bf16/f16 copy before its fp32 master
+            raise InvalidStream(f"{where}: a copy sent before its fp32 master") from None
+        rests = row.codec == codec.REF or rests_on_base(row.codec)
+        if rests and (plan.base is None or (row.codec != codec.REF and not plan.delta)):
+            raise InvalidStream(f"{where}: the plan allows no {row.codec!r} chunk here")
+        if codec.split_cast(row.codec) is not None and plan.cast is None:
+            raise InvalidStream(f"{where}: no fp32 master to predict it from")
+        if plan.written is not None:
+            plan.written.set()  # nothing waits for the cache file here
+        link = planner.link(raw, plan, row.codec)
+        if link.sibling is not None:
+            siblings[k] = link.sibling
+        chunks.append(
+            NewChunk(
+                cut[0],
+                cut[1],
+                cut[2],
+                t.itemsize,
+                row.codec,
+                link.base_id,
+                link.depth,
+                blob_offset,
+                size,
+                row.checksum,
+            )
+        )
+    tensors = [
+        TensorInfo(i, t.name, t.dtype, t.shape, t.begin, t.nbytes, checksum)
+        for i, (t, checksum) in enumerate(zip(header.tensors, tail.tensors, strict=True))
+    ]
+    for c in chunks:  # a tensor of one chunk is that chunk: the same checksum
+        one = tensors[c.tensor_idx]
+        if c.raw_len == one.nbytes and c.checksum != one.checksum:
+            raise InvalidStream(f"tensor {one.name!r}: its checksum is not its one chunk's")
+    return tensors, chunks, siblings

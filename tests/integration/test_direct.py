@@ -1,0 +1,241 @@
+"""Parts encoded by their writer (direct=True) against a real service: chains that mix
+client-encoded and service-encoded checkpoints load exactly, the verifier marks each
+client-encoded checkpoint verified, and a writer's wrong bytes or rows are caught (the
+wrong checkpoint alone marked corrupt; refused rows a clear 4xx that stores nothing)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from ckptstore.direct import DirectWriter, Sent, pieces_of
+from ckptstore_core import codec
+from ckptstore_core.encoded import CONTENT_TYPE, TailChunk, encode_tail, frame
+from ckptstore_core.wire import FORMAT, encode_header
+from support.bodies import assert_error, stored_data
+from support.serviceproc import Service
+from support.waiting import wait_until
+
+Spec = tuple[str, str, tuple[int, ...]]
+FAST_VERIFIER = {"CKPTSTORE_VERIFY_INTERVAL_S": "0.2", "CKPTSTORE_VERIFY_CPU_SHARE": "1"}
+
+
+class Writer:
+    """A DirectWriter over httpx, saving single-part checkpoints (``direct``) of one run."""
+
+    def __init__(self, service: Service, run: str) -> None:
+        self.http = httpx.Client(base_url=service.url, timeout=60)
+        self.run = run
+        self.direct = DirectWriter(self._call, self._stream, workers=2)
+
+    def _call(self, method: str, path: str, payload: Any) -> Any:
+        response = self.http.request(method, path, json=payload)
+        assert response.status_code < 300, response.text
+        return response.json()
+
+    def _stream(
+        self, method: str, path: str, body: Callable[[], Iterator[bytes]], content_type: str
+    ) -> Any:
+        response = self.http.request(
+            method, path, content=body(), headers={"Content-Type": content_type}
+        )
+        assert response.status_code < 300, response.text
+        return response.json()
+
+    def save(self, step: int, arrays: dict[str, np.ndarray], dtypes: dict[str, str]) -> Sent:
+        specs = [(n, dtypes[n], a.shape) for n, a in arrays.items()]
+        path = f"/v1/runs/{self.run}/checkpoints/{step}"
+        views = [memoryview(a.tobytes()) for a in arrays.values()]
+        sent = self.direct.save_part(path, self.run, "direct", specs, lambda: pieces_of(views), {})
+        self._call("POST", path + "/commit", {"parts": ["direct"], "metadata": {"format": FORMAT}})
+        self.direct.keep(sent)
+        return sent
+
+    def close(self) -> None:
+        self.direct.close()
+        self.http.close()
+
+
+def state(step: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """A training-like state: weights drifting a little per step, an fp32 master with its
+    bf16 copy, a frozen embedding, a counter."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((256, 300)).astype(np.float32)
+    drift = np.random.default_rng(step).standard_normal(w.shape).astype(np.float32)
+    master = w + np.float32(1e-4 * step) * drift
+    bf16 = (master.view(np.uint32) >> 16).astype(np.uint16)  # rounded down: a copy of it
+    frozen = rng.integers(0, 1000, 100_000).astype(np.int32)
+    arrays = {
+        "master/w": master,
+        "model/w": bf16,
+        "frozen": frozen,
+        "step": np.array([step], np.int64),
+    }
+    dtypes = {"master/w": "F32", "model/w": "BF16", "frozen": "I32", "step": "I64"}
+    return arrays, dtypes
+
+
+def raw_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    return b"".join(a.tobytes() for a in arrays.values())
+
+
+def listing(service: Service, run: str) -> dict[int, dict[str, Any]]:
+    response = httpx.get(f"{service.url}/v1/runs/{run}/checkpoints")
+    assert response.status_code == 200, response.text
+    return {c["step"]: c for c in response.json()["checkpoints"]}
+
+
+def service_save(service: Service, run: str, step: int, arrays: dict[str, np.ndarray]) -> None:
+    dtypes = state(step)[1]
+    head = encode_header([(n, dtypes[n], a.shape) for n, a in arrays.items()], {})[0]
+    url = f"{service.url}/v1/runs/{run}/checkpoints/{step}"
+    response = httpx.post(url, content=head + raw_bytes(arrays), timeout=60)
+    assert response.status_code == 201, response.text
+
+
+def test_a_chain_of_direct_and_service_saves_loads_exactly_and_is_verified(
+    make_service: Callable[..., Service],
+) -> None:
+    service = make_service(FAST_VERIFIER)
+    writer = Writer(service, "mix")
+    try:
+        saved = {}
+        for step in (1, 2):
+            arrays, dtypes = state(step)
+            writer.save(step, arrays, dtypes)
+            saved[step] = raw_bytes(arrays)
+        arrays = state(3)[0]
+        service_save(service, "mix", 3, arrays)  # the service encodes this one
+        saved[3] = raw_bytes(arrays)
+        arrays, dtypes = state(4)
+        writer.save(4, arrays, dtypes)  # its base file is step 2's: only unchanged tensors
+        saved[4] = raw_bytes(arrays)
+    finally:
+        writer.close()
+
+    for step, data in saved.items():
+        assert stored_data(service, "mix", step) == data, step
+    listed = wait_until(
+        lambda: (
+            (got := listing(service, "mix"))
+            and all(got[s]["verification"] != "pending" for s in (1, 2, 4))
+            and got
+        ),
+        what="the verifier's verdicts",
+    )
+    assert [listed[s]["verification"] for s in (1, 2, 3, 4)] == [
+        "verified",
+        "verified",
+        "service",
+        "verified",
+    ]
+    # step 2 was encoded against step 1's bytes, which its writer held: deltas and refs
+    assert listed[2]["stored_bytes"] < listed[1]["stored_bytes"] / 2
+    assert listed[2]["parent_step"] == 1 and not listed[2]["keyframe"]
+
+
+def encoded_body(
+    specs: list[Spec],
+    frames: list[bytes],
+    rows: list[TailChunk],
+    sums: list[bytes],
+    parent: int | None,
+) -> bytes:
+    head = encode_header(specs, {"format": FORMAT})[0]
+    body = head + b"".join(frame(len(f)) + f for f in frames)
+    return body + encode_tail(parent, rows, sums)
+
+
+def put_encoded(service: Service, run: str, step: int, body: bytes) -> httpx.Response:
+    return httpx.put(
+        f"{service.url}/v1/runs/{run}/checkpoints/{step}/parts/direct/encoded",
+        content=body,
+        headers={"Content-Type": CONTENT_TYPE},
+    )
+
+
+def commit(service: Service, run: str, step: int) -> httpx.Response:
+    return httpx.post(
+        f"{service.url}/v1/runs/{run}/checkpoints/{step}/commit",
+        json={"parts": ["direct"], "metadata": {"format": FORMAT}},
+    )
+
+
+def test_wrong_bytes_under_honest_checksums_mark_that_checkpoint_alone_corrupt(
+    make_service: Callable[..., Service],
+) -> None:
+    service = make_service(FAST_VERIFIER)
+    good = np.arange(1000, dtype=np.float32).tobytes()
+    specs: list[Spec] = [("w", "F32", (1000,))]
+    ck = codec.checksum(good)
+    row = TailChunk(0, 0, 4000, codec.RAW, ck)
+    for step, payload in ((1, good), (2, bytes(4000)), (3, good)):  # step 2 lies
+        body = encoded_body(specs, [payload], [row], [ck], parent_id(service, "liar", step))
+        assert put_encoded(service, "liar", step, body).status_code == 201
+        assert commit(service, "liar", step).status_code == 201
+
+    listed = wait_until(
+        lambda: (
+            (got := listing(service, "liar"))
+            and all(c["verification"] != "pending" for c in got.values())
+            and got
+        ),
+        what="the verifier's verdicts",
+    )
+    assert {s: c["verification"] for s, c in listed.items()} == {
+        1: "verified",
+        2: "corrupt",
+        3: "verified",
+    }
+    assert_error(httpx.get(f"{service.url}/v1/runs/liar/checkpoints/2"), 500, "corrupt_data")
+    assert stored_data(service, "liar", 1) == good
+    assert stored_data(service, "liar", 3) == good
+    metrics = httpx.get(f"{service.url}/metrics").text
+    assert 'ckptstore_verifications_total{result="corrupt"} 1.0' in metrics
+
+
+def parent_id(service: Service, run: str, step: int) -> int | None:
+    """The parent a writer must name: the plan's."""
+    url = f"{service.url}/v1/runs/{run}/checkpoints/{step}/plan"
+    response = httpx.post(url, json={"names": ["w"]})
+    assert response.status_code == 200, response.text
+    found: int | None = response.json()["parent_id"]
+    return found
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "code"),
+    [
+        ("delta without a parent", 400, "invalid_stream"),
+        ("another cut", 400, "invalid_stream"),
+        ("a ref with bytes", 400, "invalid_stream"),
+        ("a parent that is not the step's", 409, "checkpoint_exists"),
+        ("tensor checksum not its chunk's", 400, "invalid_stream"),
+    ],
+)
+def test_rows_the_plan_does_not_allow_are_refused_and_store_nothing(
+    service: Service, case: str, status: int, code: str
+) -> None:
+    data = np.arange(1000, dtype=np.float32).tobytes()
+    ck = codec.checksum(data)
+    specs: list[Spec] = [("w", "F32", (1000,))]
+    row, payload, sums, parent = TailChunk(0, 0, 4000, codec.RAW, ck), data, [ck], None
+    if case == "delta without a parent":
+        row = TailChunk(0, 0, 4000, "sub/1|planes4/1|zstd/1", ck)
+    elif case == "another cut":
+        row = TailChunk(0, 4, 3996, codec.RAW, ck)
+    elif case == "a ref with bytes":
+        row = TailChunk(0, 0, 4000, codec.REF, ck)
+    elif case == "a parent that is not the step's":
+        parent = 12345
+    else:
+        sums = [bytes(16)]
+    run = "refused-" + case.replace(" ", "-").replace("'", "")
+    response = put_encoded(service, run, 1, encoded_body(specs, [payload], [row], sums, parent))
+    assert_error(response, status, code)
+    assert_error(commit(service, run, 1), 400, "invalid_request")  # no part was stored
+    assert run not in {r["name"] for r in httpx.get(f"{service.url}/v1/runs").json()["runs"]}
