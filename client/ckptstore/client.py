@@ -41,9 +41,11 @@ from urllib.parse import quote, urlencode, urlsplit
 import numpy as np
 import xxhash
 
+from ckptstore.direct import DirectWriter
 from ckptstore_core.errors import (
     CkptStoreError,
     CorruptData,
+    InvalidRequest,
     InvalidStream,
     NotFound,
     RequestTimeout,
@@ -63,7 +65,7 @@ from ckptstore_core.records import (
     encode_user_metadata,
 )
 from ckptstore_core.retention import KeepBest, RetentionPolicy
-from ckptstore_core.wire import FORMAT, Header, StreamParser, encode_header
+from ckptstore_core.wire import FORMAT, Header, StreamParser, TensorPiece, encode_header
 
 if TYPE_CHECKING:
     from ckptstore.staging import AsyncSaver
@@ -169,6 +171,11 @@ class CheckpointClient:
     ``timeout`` applies to each socket operation, not to a whole transfer. ``progress=True``
     shows a tqdm bar on saves and loads. Safe to share between threads.
 
+    ``direct=True`` encodes each save in this process (the core's chunk pipeline, against
+    the state this client last saved of the run) and sends the encoded chunks: the service
+    plans, checks and commits, never encodes (docs/scale.md). ``None`` (the default) and
+    ``False``: the service encodes.
+
     :meth:`close` (and leaving a ``with`` block) first waits for a :meth:`save_async` upload
     in flight.
     """
@@ -182,6 +189,7 @@ class CheckpointClient:
         backoff: float = 0.5,
         progress: bool = False,
         token: str | None = None,
+        direct: bool | None = None,
     ) -> None:
         if url is None:
             url = os.environ.get("CKPTSTORE_URL") or DEFAULT_URL
@@ -196,6 +204,8 @@ class CheckpointClient:
         self._pool = _Pool(self.url, timeout)
         self._saver: AsyncSaver | None = None  # made by the first save_async (imports torch)
         self._saver_lock = threading.Lock()
+        self.direct = bool(direct)
+        self._writer: DirectWriter | None = None  # made by the first direct save
 
     def close(self) -> None:
         """Wait for the :meth:`save_async` upload in flight, then free the staging buffers
@@ -206,6 +216,9 @@ class CheckpointClient:
         """
         if self._saver is not None:
             self._saver.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         self._pool.close()
 
     def __enter__(self) -> CheckpointClient:
@@ -453,6 +466,10 @@ class CheckpointClient:
         stored = {"format": FORMAT, "skeleton": flat.skeleton}
         if metadata is not None:
             stored[USER_METADATA_KEY] = metadata
+        if self.direct:
+            if lossy is not None:
+                raise InvalidRequest("a direct save is bit-exact: save lossy with direct=False")
+            return self._save_direct(run, step, specs, [t for _, t in ordered], stored)
         if lossy is not None:
             stored[LOSSY_KEY] = lossy
         prefix, header = encode_header(specs, stored)
@@ -474,6 +491,48 @@ class CheckpointClient:
             return CheckpointInfo.from_json(payload)
 
         return self._retry(attempt)
+
+    def _save_direct(
+        self,
+        run: str,
+        step: int,
+        specs: builtins.list[tuple[str, str, tuple[int, ...]]],
+        tensors: builtins.list[Any],
+        metadata: dict[str, str],
+    ) -> CheckpointInfo:
+        """A save encoded here (``direct=True``): one part, sent encoded, then committed."""
+        from ckptstore.state import tensor_bytes
+
+        if self._writer is None:
+            self._writer = DirectWriter(self._call, self._send_stream)
+        writer = self._writer
+        path = self._path(run, step)
+
+        def data() -> Iterator[TensorPiece]:
+            for i, t in enumerate(tensors):  # one tensor's host copy at a time
+                raw = tensor_bytes(t)
+                for off in range(0, len(raw), _PIECE):
+                    yield TensorPiece(i, off, raw[off : off + _PIECE])
+
+        sent = self._retry(lambda: writer.save_part(path, run, "direct", specs, data, {}))
+        try:
+            info = self._call("POST", path + "/commit", {"parts": ["direct"], "metadata": metadata})
+        except BaseException:
+            writer.discard(sent)
+            raise
+        writer.keep(sent)
+        return CheckpointInfo.from_json(info)
+
+    def _send_stream(
+        self, method: str, path: str, body: Callable[[], Iterator[bytes]], content_type: str
+    ) -> Any:
+        """``method path`` with a body of unknown length (chunked), not retried here; the
+        answer's JSON."""
+        conn, response = self._request(method, path, body(), None, content_type=content_type)
+        data = response.read()
+        self._done(conn, response)
+        _raise_for(response.status, data)
+        return json.loads(data)
 
     def _fetch(
         self, run: str, step: int | str, prefix: str | None, map_location: Any, show: bool
@@ -510,7 +569,7 @@ class CheckpointClient:
         method: str,
         path: str,
         body: Iterable[memoryview | bytes] | None = None,
-        length: int = 0,
+        length: int | None = 0,
         sent: Callable[[int], None] | None = None,
         content_type: str = "application/octet-stream",
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
@@ -522,14 +581,24 @@ class CheckpointClient:
                 conn.putheader("Authorization", self._authorization)
             if body is not None:
                 conn.putheader("Content-Type", content_type)
-                conn.putheader("Content-Length", str(length))
+                if length is None:
+                    conn.putheader("Transfer-Encoding", "chunked")
+                else:
+                    conn.putheader("Content-Length", str(length))
             conn.endheaders()
             if body is not None:
                 try:
                     for piece in body:
-                        conn.send(piece)
+                        if length is None and len(piece):  # a chunk of length 0 ends it
+                            conn.send(b"%x\r\n" % len(piece))
+                            conn.send(piece)
+                            conn.send(b"\r\n")
+                        elif length is not None:
+                            conn.send(piece)
                         if sent is not None:
                             sent(len(piece))
+                    if length is None:
+                        conn.send(b"0\r\n\r\n")
                 except OSError:
                     # The service may have answered early (a 4xx after the header) and
                     # closed; read that answer if there is one, else retry the transport.

@@ -239,3 +239,39 @@ def test_rows_the_plan_does_not_allow_are_refused_and_store_nothing(
     assert_error(response, status, code)
     assert_error(commit(service, run, 1), 400, "invalid_request")  # no part was stored
     assert run not in {r["name"] for r in httpx.get(f"{service.url}/v1/runs").json()["runs"]}
+
+
+def test_checkpoint_client_direct_saves_a_training_run_exactly(
+    make_service: Callable[..., Service],
+) -> None:
+    """``CheckpointClient(direct=True)`` on a real AdamW run in mixed dtypes (bf16 copies,
+    a frozen embedding, RNG and scheduler state): each step loads back bit for bit, also
+    across a service-encoded step in the middle of the chain."""
+    from ckptstore import CheckpointClient
+    from support.states import assert_same_state, training_states
+
+    service = make_service(FAST_VERIFIER)
+    states = training_states(4)
+    with (
+        CheckpointClient(service.url, direct=True) as direct,
+        CheckpointClient(service.url) as plain,
+    ):
+        for step, state in enumerate(states, start=1):
+            (plain if step == 3 else direct).save("train", step, state)
+        for step, state in enumerate(states, start=1):
+            assert_same_state(state, plain.load("train", step), path=f"step {step}")
+    listed = wait_until(
+        lambda: (
+            (got := listing(service, "train"))
+            and all(c["verification"] != "pending" for c in got.values())
+            and got
+        ),
+        what="the verifier's verdicts",
+    )
+    assert [listed[s]["verification"] for s in (1, 2, 3, 4)] == [
+        "verified",
+        "verified",
+        "service",
+        "verified",
+    ]
+    assert listed[2]["stored_bytes"] < listed[1]["stored_bytes"]

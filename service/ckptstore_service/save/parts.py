@@ -195,7 +195,10 @@ class PartSaver:
             self.collect(part)
         record = self._catalog.get(run, step)
         self._metrics.committed(record)
-        self._cache.warm(record)  # the new latest: its loads and its successor's parts
+        if record.verification == "service":
+            # the new latest: its loads and its successor's parts (a checkpoint its writers
+            # encoded is not decoded here for it: that is the work they took off the service)
+            self._cache.warm(record)
         return record, True
 
     def _check_layout(self, run: str, step: int, names: Sequence[str], text: str) -> None:

@@ -1,0 +1,147 @@
+"""Service-encoded saves against direct ones (``CheckpointClient(direct=True)``), on the same
+real training checkpoints (bench/models.py), one writer, one replica on the local backend.
+
+    .venv/bin/python bench/direct.py [--quick] [--runs ...] [--out bench/out]
+
+For each run, each mode saves the same checkpoints in order into a fresh service, then
+loads every one back and compares it bit for bit. Measured per mode: the service's CPU
+seconds per GB saved (user + system of its process, the verifier paused by a long
+``CKPTSTORE_VERIFY_INTERVAL_S`` so the save path is measured alone), the client's CPU,
+save wall time, stored bytes, and the bytes the service received. Then the verifier is let
+run (a restart with a short interval) and its CPU seconds per GB verified are measured
+apart: direct saves move the encoding to the writer; decoding each client-encoded
+checkpoint once stays on the service, in the background, within its CPU share.
+
+The service is on loopback here, so "bytes through the service" are the encoded bytes on the
+local backend (with S3 they would go to the bucket instead: not measured here).
+Output: a table and bench/out/direct.json. Never fails on a missed target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import models  # noqa: E402
+from bench import mismatch, proc_cpu_s, raw_bytes  # noqa: E402
+from ckptstore import CheckpointClient  # noqa: E402
+from support.serviceproc import Service  # noqa: E402
+
+GB = 1e9
+
+
+def rx_bytes(pid: int) -> int:
+    """Bytes the process read from sockets and files (``rchar`` of /proc/PID/io)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    return 0
+
+
+def measure(run: str, ckpts: list[tuple[int, Any]], workdir: Path, direct: bool) -> dict[str, Any]:
+    data_dir = workdir / f"{run}-{'direct' if direct else 'service'}"
+    depth = str(max(16, len(ckpts) + 1))
+    env = {
+        "CKPTSTORE_KEYFRAME_INTERVAL": depth,
+        "CKPTSTORE_MAX_CHAIN_DEPTH": depth,
+        "CKPTSTORE_VERIFY_INTERVAL_S": "3600",
+        "CKPTSTORE_REROOT_QUIET_S": "3600",
+    }
+    raw = sum(raw_bytes(s) for _, s in ckpts)
+    svc = Service(data_dir, env).start()
+    try:
+        with CheckpointClient(svc.url, timeout=600, direct=direct) as client:
+            cpu0, rx0, mine0 = proc_cpu_s(svc.pid), rx_bytes(svc.pid), time.process_time()
+            t0 = time.perf_counter()
+            for step, state in ckpts:
+                client.save(run, step, state)
+            save_s = time.perf_counter() - t0
+            svc_cpu = proc_cpu_s(svc.pid) - cpu0
+            received = rx_bytes(svc.pid) - rx0
+            client_cpu = time.process_time() - mine0
+            stored = sum(c.stored_bytes for c in client.list(run))
+    finally:
+        svc.stop()
+    verify_cpu = verify_s = 0.0
+    if direct:  # the verifier's work, apart
+        svc = Service(data_dir, {**env, "CKPTSTORE_VERIFY_INTERVAL_S": "0.2"}).start()
+        try:
+            with CheckpointClient(svc.url, timeout=600) as client:
+                cpu0, t0 = proc_cpu_s(svc.pid), time.perf_counter()
+                while any(c.verification == "pending" for c in client.list(run)):
+                    time.sleep(0.2)
+                verify_s = time.perf_counter() - t0
+                verify_cpu = proc_cpu_s(svc.pid) - cpu0
+                states = [c.verification for c in client.list(run)]
+        finally:
+            svc.stop()
+        assert set(states) == {"verified"}, states
+    svc = Service(data_dir, env).start()
+    try:
+        with CheckpointClient(svc.url, timeout=600) as client:
+            wrong = [s for s, state in ckpts if mismatch(state, client.load(run, s))]
+    finally:
+        svc.stop()
+    return {
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "save_s": save_s,
+        "service_cpu_s_per_gb": svc_cpu / (raw / GB),
+        "client_cpu_s_per_gb": client_cpu / (raw / GB),
+        "service_read_fraction": received / raw,
+        "verify_cpu_s_per_gb": verify_cpu / (raw / GB),
+        "verify_s": verify_s,
+        "mismatched_steps": wrong,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    p.add_argument("--quick", action="store_true", help="small models: a smoke run")
+    p.add_argument("--runs", nargs="+", choices=list(models.RUNS), default=list(models.RUNS))
+    p.add_argument("--checkpoints", type=int, default=None, help="per run (default 9; quick 4)")
+    p.add_argument("--every", type=int, default=25)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    size = models.SIZES["quick" if args.quick else "full"]
+    n_ckpt = args.checkpoints or (4 if args.quick else 9)
+    out: dict[str, Any] = {"quick": args.quick, "runs": {}}
+    workdir = Path(tempfile.mkdtemp(prefix="ckptstore-direct-"))
+    print(
+        f"{'run':18} {'mode':8} {'raw MB':>8} {'stored':>8} {'save s':>7} {'svc s/GB':>9} "
+        f"{'cli s/GB':>9} {'rx/raw':>7} {'verify s/GB':>12} exact"
+    )
+    for name in args.runs:
+        ckpts = models.RUNS[name](size, n_ckpt, args.every, lambda _: None).checkpoints
+        for direct in (False, True):
+            m = measure(name, ckpts, workdir, direct)
+            out["runs"].setdefault(name, {})["direct" if direct else "service"] = m
+            print(
+                f"{name:18} {'direct' if direct else 'service':8} {m['raw_bytes'] / 1e6:8.1f} "
+                f"{m['stored_bytes'] / 1e6:8.1f} {m['save_s']:7.2f} "
+                f"{m['service_cpu_s_per_gb']:9.3f} {m['client_cpu_s_per_gb']:9.3f} "
+                f"{m['service_read_fraction']:7.3f} {m['verify_cpu_s_per_gb']:12.3f} "
+                f"{'yes' if not m['mismatched_steps'] else m['mismatched_steps']}",
+                flush=True,
+            )
+        both = out["runs"][name]
+        ratio = both["direct"]["stored_bytes"] / both["service"]["stored_bytes"]
+        print(f"{name:18} stored direct / service: {ratio:.3f}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "direct.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
