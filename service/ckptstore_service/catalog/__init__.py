@@ -335,11 +335,15 @@ class Catalog:
 
     # -- tensors and chunks (:mod:`.graph`) --------------------------------------------------
 
-    def tensors(self, checkpoint_id: int) -> list[TensorInfo]:
-        return graph.tensors(self._db, checkpoint_id)
+    def tensors(self, checkpoint_id: int, names: Collection[str] | None = None) -> list[TensorInfo]:
+        """The checkpoint's tensors, or those of these ``names``."""
+        return graph.tensors(self._db, checkpoint_id, names=names)
 
-    def chunks(self, checkpoint_id: int) -> list[ChunkInfo]:
-        return graph.chunks(self._db, checkpoint_id)
+    def chunks(
+        self, checkpoint_id: int, tensor_idx: Collection[int] | None = None
+    ) -> list[ChunkInfo]:
+        """The checkpoint's chunks, or those of the tensors ``tensor_idx``."""
+        return graph.chunks(self._db, checkpoint_id, tensor_idx)
 
     def chunk_tree(self, checkpoint_id: int) -> tuple[list[ChunkInfo], dict[int, ChunkInfo]]:
         """The checkpoint's chunks and every chunk their chains reach, in one snapshot."""

@@ -33,8 +33,15 @@ _CHUNK_COLUMNS = (*NewChunk.__slots__, "id")
 _SEED_BATCH = 500
 
 
-def tensors(db: Database, checkpoint_id: int, *, part_id: int | None = None) -> list[TensorInfo]:
-    """The checkpoint's tensors, by index (with ``part_id``: that part's only)."""
+def tensors(
+    db: Database,
+    checkpoint_id: int,
+    *,
+    part_id: int | None = None,
+    names: Collection[str] | None = None,
+) -> list[TensorInfo]:
+    """The checkpoint's tensors, by index (with ``part_id``: that part's only; with
+    ``names``: those of these names only)."""
     query = (
         select(
             TensorRow.idx,
@@ -51,6 +58,8 @@ def tensors(db: Database, checkpoint_id: int, *, part_id: int | None = None) -> 
     )
     if part_id is not None:
         query = query.where(TensorRow.part_id == part_id)
+    if names is not None:
+        query = query.where(TensorRow.name.in_(sorted(names)))
     with db.session() as s:
         rows = s.execute(query).all()
     return [
@@ -76,13 +85,18 @@ def _chunk(row: Any) -> ChunkInfo:
     return ChunkInfo(*row)
 
 
-def chunks(db: Database, checkpoint_id: int) -> list[ChunkInfo]:
-    """The checkpoint's chunks, in tensor and offset order."""
+def chunks(
+    db: Database, checkpoint_id: int, tensor_idx: Collection[int] | None = None
+) -> list[ChunkInfo]:
+    """The checkpoint's chunks (only those of the tensors ``tensor_idx``, if given), in
+    tensor and offset order."""
     query = (
         _chunk_query()
         .where(Chunk.checkpoint_id == checkpoint_id)
         .order_by(Chunk.tensor_idx, Chunk.offset)
     )
+    if tensor_idx is not None:
+        query = query.where(Chunk.tensor_idx.in_(sorted(tensor_idx)))
     with db.session() as s:
         return [_chunk(r) for r in s.execute(query).all()]
 

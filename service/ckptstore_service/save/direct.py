@@ -81,10 +81,8 @@ class DirectSaver:
         since = 0 if parent is None else parent.since_keyframe + 1
         keyframe = parent is None or since >= s.keyframe_interval
         if parent is not None:
-            wanted = set(names)
-            tensors = [t for t in self._catalog.tensors(parent.id) if t.name in wanted]
-            ids = {t.idx for t in tensors}
-            chunks = [c for c in self._catalog.chunks(parent.id) if c.tensor_idx in ids]
+            tensors = self._catalog.tensors(parent.id, set(names))
+            chunks = self._catalog.chunks(parent.id, {t.idx for t in tensors})
         return Plan(
             None if parent is None else parent.id,
             None if parent is None else parent.step,
@@ -162,7 +160,7 @@ class DirectSaver:
         lease: Lease,
     ) -> None:
         parent = self._catalog.parent_of(run, step)
-        planner, _ = planner_for(self._catalog, self._settings, header, parent)
+        planner, _ = planner_for(self._catalog, self._settings, header, parent, same_names=True)
         with PartTransaction.begin(
             self._catalog, self._blobs, run, step, checkpoint_id, name, lease
         ) as tx:
