@@ -209,7 +209,11 @@ class DirectSaver:
 
 
 def _copy(p: FramePiece) -> FramePiece:
-    # a piece views the body's buffer, which the caller does not keep alive
+    """``p`` with bytes of its own, unless it views an immutable ``bytes`` (what the app's
+    body pieces are: the view keeps them alive): a buffer the body's producer may reuse
+    must not reach the blob writer's queue."""
+    if isinstance(p.data.obj, bytes):
+        return p
     return FramePiece(p.index, memoryview(bytes(p.data)), p.last)
 
 
