@@ -5,13 +5,13 @@ HTTP.
     .venv/bin/python bench/control_plane.py [--ranks 1024] [--concurrency 64] [--steps 2]
 
 Each rank is a task in a thread pool (``--concurrency`` at once): it asks for its plan
-(``POST .../plan``), encodes its shard (one fp32 tensor of ``--shard`` elements, its name
-its own) with the core's pipeline and sends it encoded (``PUT .../parts/rank-R/encoded``);
-then one coordinator commits the N parts (``POST .../commit``). Step 2 onwards diff against
-step 1 (each rank keeps its base file). Printed per step: the wall time of all plans and
-parts, the commit's latency, requests per rank, the latency percentiles of plan and part
-requests, and the catalog rows the checkpoint holds. Never fails on a missed target.
-"""
+(``POST .../plan``), encodes its shard (``--shard`` fp32 elements in ``--tensors`` tensors,
+their names its own) with the core's pipeline and sends it encoded (``PUT
+.../parts/rank-R/encoded``); then one coordinator commits the N parts (``POST .../commit``).
+Step 2 onwards diff against step 1 (each rank keeps its base file). Printed per step: the
+wall time of all plans and parts, the commit's latency, requests per rank, the latency
+percentiles of plan and part requests, and the catalog rows the checkpoint holds. Never
+fails on a missed target."""
 
 from __future__ import annotations
 
@@ -41,10 +41,11 @@ from support.serviceproc import Service  # noqa: E402
 class Rank:
     """One simulated rank: its own HTTP connection, its own direct writer (and base file)."""
 
-    def __init__(self, url: str, rank: int, shard: int) -> None:
+    def __init__(self, url: str, rank: int, shard: int, tensors: int) -> None:
         self.http = httpx.Client(base_url=url, timeout=120)
         self.rank = rank
         self.shard = shard
+        self.tensors = tensors
         self.direct = DirectWriter(self._call, self._stream, workers=1)
         self.latency: dict[str, float] = {}
 
@@ -68,11 +69,11 @@ class Rank:
 
     def save(self, run: str, step: int) -> Any:
         rng = np.random.default_rng(self.rank)
-        data = rng.standard_normal(self.shard).astype(np.float32)
-        data += np.float32(1e-3 * step)
-        views = [memoryview(data.tobytes())]
+        n = self.shard // self.tensors
+        arrays = [rng.standard_normal(n).astype(np.float32) for _ in range(self.tensors)]
+        views = [memoryview((a + np.float32(1e-3 * step)).tobytes()) for a in arrays]
         path = f"/v1/runs/{run}/checkpoints/{step}"
-        spec = [(f"w.{self.rank}", "F32", (self.shard,))]
+        spec = [(f"w{t}.{self.rank}", "F32", (n,)) for t in range(self.tensors)]
         return self.direct.save_part(
             path, run, f"rank-{self.rank}", spec, lambda: pieces_of(views), {}
         )
@@ -91,12 +92,13 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=1024)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--shard", type=int, default=4096, help="fp32 elements per rank")
+    p.add_argument("--tensors", type=int, default=1, help="tensors (shards) per rank")
     p.add_argument("--steps", type=int, default=2)
     args = p.parse_args()
     with pg_database() as db_url, tempfile.TemporaryDirectory() as tmp:
         env = {"CKPTSTORE_DATABASE_URL": db_url, "CKPTSTORE_VERIFY_INTERVAL_S": "3600"}
         svc = Service(Path(tmp), env).start()
-        ranks = [Rank(svc.url, r, args.shard) for r in range(args.ranks)]
+        ranks = [Rank(svc.url, r, args.shard, args.tensors) for r in range(args.ranks)]
         try:
             with ThreadPoolExecutor(args.concurrency) as pool:
                 for step in range(1, args.steps + 1):
