@@ -96,7 +96,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     args = p.parse_args()
     with pg_database() as db_url, tempfile.TemporaryDirectory() as tmp:
-        env = {"CKPTSTORE_DATABASE_URL": db_url, "CKPTSTORE_VERIFY_INTERVAL_S": "3600"}
+        env = {
+            "CKPTSTORE_DATABASE_URL": db_url,
+            "CKPTSTORE_VERIFY_INTERVAL_S": "3600",
+            # every simulated rank has the same address: it may hold every upload slot
+            "CKPTSTORE_MAX_UPLOADS_PER_CLIENT": str(args.concurrency),
+            "CKPTSTORE_MAX_CONCURRENT_UPLOADS": str(args.concurrency),
+        }
         svc = Service(Path(tmp), env).start()
         ranks = [Rank(svc.url, r, args.shard, args.tensors) for r in range(args.ranks)]
         try:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import case, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -290,26 +290,35 @@ def _check_parts(
 
 def _renumber(s: Session, listed: list[PartRecord]) -> tuple[int, int]:
     """Number the parts' tensors on from each other's, in ``listed`` order: indices, and
-    offsets in the checkpoint's data section. Returns the totals (tensors, bytes)."""
+    offsets in the checkpoint's data section. Returns the totals (tensors, bytes).
+
+    Three statements however many parts (each part's shift a ``CASE`` on its id): one per
+    part and table took 9 s for 1,024 parts on PostgreSQL (bench/control_plane.py)."""
+    idx_of: dict[int, int] = {}
+    begin_of: dict[int, int] = {}
     idx = begin = 0
     for p in listed:
-        # through negative numbers: the unique index on (checkpoint, part, idx) is checked
-        # row by row, and shifting 0..n-1 up by less than n in place would collide
-        s.execute(
-            update(_TENSORS).where(_TENSORS.c.part_id == p.id).values(idx=-1 - _TENSORS.c.idx)
-        )
-        s.execute(
-            update(_TENSORS)
-            .where(_TENSORS.c.part_id == p.id)
-            .values(idx=-1 - _TENSORS.c.idx + idx, begin=_TENSORS.c.begin + begin)
-        )
-        s.execute(
-            update(_CHUNKS)
-            .where(_CHUNKS.c.part_id == p.id)
-            .values(tensor_idx=_CHUNKS.c.tensor_idx + idx)
-        )
+        idx_of[p.id], begin_of[p.id] = idx, begin
         idx += p.n_tensors
         begin += p.raw_bytes
+    ids = list(idx_of)
+    t_part, c_part = _TENSORS.c.part_id, _CHUNKS.c.part_id
+    # through negative numbers: the unique index on (checkpoint, part, idx) is checked row
+    # by row, and shifting 0..n-1 up by less than n in place would collide
+    s.execute(update(_TENSORS).where(t_part.in_(ids)).values(idx=-1 - _TENSORS.c.idx))
+    s.execute(
+        update(_TENSORS)
+        .where(t_part.in_(ids))
+        .values(
+            idx=-1 - _TENSORS.c.idx + case(idx_of, value=t_part),
+            begin=_TENSORS.c.begin + case(begin_of, value=t_part),
+        )
+    )
+    s.execute(
+        update(_CHUNKS)
+        .where(c_part.in_(ids))
+        .values(tensor_idx=_CHUNKS.c.tensor_idx + case(idx_of, value=c_part))
+    )
     return idx, begin
 
 

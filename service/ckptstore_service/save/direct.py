@@ -104,9 +104,7 @@ class DirectSaver:
         it = iter(body)
         parser, header, first = self._open(it)
         frames = _frames(parser, first, it)
-        run_id = self._catalog.ensure_run(run)
-        with self._catalog.run_lock(run):
-            checkpoint_id = self._catalog.open_parts(run_id, step)
+        checkpoint_id = self._open_checkpoint(run, step)
         with self._catalog.part_lock(run, step, name, blocking=False) as held:
             if held is None:
                 raise CheckpointExists(f"part {name!r} of {run}/{step} is being uploaded")
@@ -120,6 +118,17 @@ class DirectSaver:
         assert part is not None
         self._metrics.part_saved(part)
         return part, True
+
+    def _open_checkpoint(self, run: str, step: int) -> int:
+        """The id of the ``parts`` row of ``run/step``. Once the first part made it, the
+        others find it without the run's lock: a thousand ranks would otherwise queue on it
+        one by one (a commit that lands meanwhile fails their finish, CheckpointExists)."""
+        found = self._catalog.open_parts_of(run, step)
+        if found is not None:
+            return found
+        run_id = self._catalog.ensure_run(run)
+        with self._catalog.run_lock(run):
+            return self._catalog.open_parts(run_id, step)
 
     def _open(self, it: Iterator[bytes]) -> tuple[EncodedParser, Header, list[FramePiece]]:
         """The body's header, checked as a raw upload's is, and the frame pieces after it."""
