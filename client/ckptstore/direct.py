@@ -46,6 +46,7 @@ from ckptstore_core.wire import Header, TensorPiece, encode_header
 __all__ = ["BaseFile", "DirectWriter", "Sent", "pieces_of"]
 
 _PIECE = 8 << 20
+_BATCH = 1 << 20  # bytes of frames joined into one piece of the request body
 _DONE = object()
 
 JsonCall = Callable[[str, str, Any], Any]  # (method, path, payload) -> the answer's JSON
@@ -238,9 +239,20 @@ def _framed(run: Callable[[_QueueSink], Stored]) -> Generator[Any, None, Stored]
 
     thread = threading.Thread(target=work, name="ckptstore-direct", daemon=True)
     thread.start()
+    batch: list[Any] = []
+    size = 0
     try:
+        # a chunk's frame prefix and planes are many small pieces: sent as such, each one is
+        # a chunk of the request body to parse and hand over on the service's event loop
         while (item := q.get()) is not _DONE:
-            yield item
+            assert isinstance(item, bytes | bytearray | memoryview)
+            batch.append(item)
+            size += len(item)
+            if size >= _BATCH:
+                yield b"".join(batch)
+                batch, size = [], 0
+        if batch:
+            yield b"".join(batch)
     finally:
         stop.set()  # a consumer gone early: the encoder stops at its next chunk
         thread.join()
