@@ -14,7 +14,11 @@ near 0.5 GB/s in our measurements, and the transfer speed is what a trainer wait
 Retries (:meth:`Transport.retry`): connection errors, a response cut short, and the answers
 ``503 storage_unavailable``, ``408 request_timeout`` and ``429 too_many_uploads`` are retried
 with exponential backoff and jitter, up to ``retries`` times, each retry logged as a warning on
-the ``ckptstore`` logger. Every other error answer is raised at once, typed.
+the ``ckptstore`` logger. Until this transport has connected to the service once, a failed
+connection is retried for ``first_contact`` seconds only: a wrong URL, or a service that is
+not running, fails within a few seconds with a message naming the URL and ``CKPTSTORE_URL``,
+while a service that answered before and then went away (a restarting replica) gets every
+retry. Every other error answer is raised at once, typed.
 
 Torch-free; imports nothing of ``ckptstore`` (the bottom of the client's modules).
 """
@@ -55,6 +59,7 @@ from ckptstore_core.wire import Header, StreamParser
 __all__ = [
     "CHECKSUMS_KEY",
     "DEFAULT_URL",
+    "FIRST_CONTACT_S",
     "PIECE",
     "Progress",
     "Transport",
@@ -71,6 +76,8 @@ __all__ = [
 
 #: The service a transport with no ``url`` talks to when ``CKPTSTORE_URL`` is not set.
 DEFAULT_URL = "http://127.0.0.1:8000"
+#: Seconds a failed connection is retried before the service has been reached once.
+FIRST_CONTACT_S = 2.0
 #: Bytes per socket write/read while streaming.
 PIECE = 8 << 20
 #: The response metadata key of the tensors' checksums (xxh3-128, hex, by name).
@@ -154,7 +161,9 @@ class Transport:
     ``token`` is the bearer token sent with every request (default: ``CKPTSTORE_TOKEN``; none
     if unset). ``timeout`` applies to each socket operation, not to a whole transfer.
     ``retries`` bounds the attempts after the first of a retried call (:meth:`retry`), with
-    ``backoff * 2**n`` seconds (times a jitter of 0.5-1.5) before retry ``n + 1``. Safe to
+    ``backoff * 2**n`` seconds (times a jitter of 0.5-1.5) before retry ``n + 1``; until a
+    connection to the service succeeded once, failed connections are retried for
+    ``first_contact`` seconds only (then ServiceUnavailable naming the URL). Safe to
     share between threads; :meth:`close` frees the idle connections (a later call opens new
     ones).
     """
@@ -167,9 +176,14 @@ class Transport:
         timeout: float = 120.0,
         retries: int = 5,
         backoff: float = 0.5,
+        first_contact: float = FIRST_CONTACT_S,
     ) -> None:
+        self._url_source = "was given"
         if url is None:
-            url = os.environ.get("CKPTSTORE_URL") or DEFAULT_URL
+            url = os.environ.get("CKPTSTORE_URL") or None
+            self._url_source = "is from CKPTSTORE_URL" if url else "is the default"
+        if url is None:
+            url = DEFAULT_URL
         if token is None:
             token = os.environ.get("CKPTSTORE_TOKEN") or None
         self.url = url.rstrip("/")
@@ -178,7 +192,9 @@ class Transport:
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
+        self.first_contact = first_contact
         self._pool = _Pool(self.url, timeout)
+        self._reached = False  # a connection to the service succeeded once (never reset)
 
     def close(self) -> None:
         """Close the idle connections; the transport stays usable."""
@@ -276,14 +292,22 @@ class Transport:
 
     def retry(self, attempt: Callable[[], T]) -> T:
         """``attempt()``, again after each transient failure (up to ``retries`` times, each
-        logged as a warning), backing off exponentially with jitter."""
+        logged as a warning), backing off exponentially with jitter. Before the service was
+        reached once, a failed connection is retried for ``first_contact`` seconds only."""
+        start = time.monotonic()
         for n in range(self.retries + 1):
             try:
                 return attempt()
             except _RETRIED as exc:
+                delay = self.backoff * 2**n * (0.5 + random.random())
+                # an OSError before any connection succeeded is a connection that failed
+                unreached = not self._reached and isinstance(exc, OSError)
+                if unreached and (
+                    n == self.retries or time.monotonic() + delay - start > self.first_contact
+                ):
+                    raise self._unreachable(exc) from exc
                 if n == self.retries:
                     raise _final(self.url, exc) from exc
-                delay = self.backoff * 2**n * (0.5 + random.random())
                 logger.warning(
                     "%s; retrying in %.1f s (retry %d of %d)",
                     _failure(self.url, exc),
@@ -293,6 +317,15 @@ class Transport:
                 )
                 time.sleep(delay)
         raise AssertionError("unreachable")
+
+    def _unreachable(self, exc: BaseException) -> ServiceUnavailable:
+        """The error of a first contact that failed: what, where, and how to point
+        elsewhere."""
+        return ServiceUnavailable(
+            f"cannot reach the ckptstore service at {self.url}: {_reason(exc)}. Nothing has "
+            "answered there yet: is the service running, and is that its URL? (the URL "
+            f"{self._url_source}; CKPTSTORE_URL sets it for clients and commands)"
+        )
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -308,6 +341,9 @@ class Transport:
         """Send a request; returns the connection (give it back with ``_done``) and response."""
         conn = self._pool.get()
         try:
+            if conn.sock is None:
+                conn.connect()
+                self._reached = True
             conn.putrequest(method, self._pool.base + path, skip_accept_encoding=True)
             if self._authorization is not None:
                 conn.putheader("Authorization", self._authorization)
