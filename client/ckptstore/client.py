@@ -468,23 +468,19 @@ def _download(
         bar = Progress(show, total, desc)
         try:
             header = read_header(response)
+            checksums = checksums_of(header)
             bar.update(header.header_len)
             buffers = []
             for spec in header.tensors:
                 # uninitialised: zero-filling what the socket overwrites cost ~10 ms/100 MB
                 buf = np.empty(spec.nbytes, np.uint8).data
                 read_into(response, buf, bar.update)
+                # checked as it ends, before the next is read: a service that finds stored
+                # data corrupt mid-stream completes this tensor wrong, then cuts the response
+                check_tensor(spec.name, digest(buf), checksums)
                 buffers.append(buf)
         finally:
             bar.close()
         if response.read(1):
             raise InvalidStream("response is longer than its header says")
-    _verify(header, buffers)
     return header, buffers, served
-
-
-def _verify(header: Header, buffers: builtins.list[memoryview]) -> None:
-    """Check each tensor against the checksum the service recorded at save time."""
-    checksums = checksums_of(header)
-    for spec, buf in zip(header.tensors, buffers, strict=True):
-        check_tensor(spec.name, digest(buf), checksums)

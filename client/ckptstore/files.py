@@ -167,9 +167,14 @@ def _copy_verified(
     arrives, parsing it as a safetensors stream and checking each tensor against the
     checksum in its metadata: CorruptData if one does not match, InvalidStream if the
     stream is malformed, IncompleteRead (which the client retries) if the connection closes
-    before ``length`` bytes."""
+    before ``length`` bytes. Each tensor is checked as its last byte arrives: a service that
+    finds stored data corrupt mid-stream completes that tensor wrong, then cuts the
+    response."""
     parser = StreamParser(max_header_bytes=_MAX_HEADER)
     hashers: list[xxhash.xxh3_128] = []
+    names: list[str] = []
+    left: list[int] = []  # bytes still to come, per tensor
+    expected: dict[str, str] = {}
     buf = memoryview(bytearray(PIECE))
     got = 0
     while True:
@@ -182,8 +187,15 @@ def _copy_verified(
         for event in parser.feed(buf[:n]):
             if isinstance(event, Header):
                 hashers = [xxhash.xxh3_128() for _ in event.tensors]
+                names = [t.name for t in event.tensors]
+                left = [t.nbytes for t in event.tensors]
+                expected = checksums_of(event)
             else:
                 hashers[event.index].update(event.data)
+                left[event.index] -= len(event.data)
+                if not left[event.index]:
+                    digest = hashers[event.index].hexdigest()
+                    check_tensor(names[event.index], digest, expected)
         with _local(path):
             out.write(buf[:n])
         progress(n)
