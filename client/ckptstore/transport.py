@@ -226,12 +226,13 @@ class Transport:
         method: str,
         path: str,
         body: Iterable[memoryview | bytes] | None = None,
-        length: int = 0,
+        length: int | None = 0,
         sent: Callable[[int], None] | None = None,
         content_type: str = "application/octet-stream",
     ) -> Any:
         """One attempt of ``method path`` with ``body`` (``length`` bytes, streamed piece
-        by piece; ``sent(n)`` after each piece); the answer's JSON, or its typed error."""
+        by piece; ``sent(n)`` after each piece; ``length`` None: a body of unknown length,
+        sent chunked); the answer's JSON, or its typed error."""
         conn, response = self._request(method, path, body, length, sent, content_type)
         data = response.read()
         self._done(conn, response)
@@ -334,7 +335,7 @@ class Transport:
         method: str,
         path: str,
         body: Iterable[memoryview | bytes] | None,
-        length: int,
+        length: int | None,
         sent: Callable[[int], None] | None,
         content_type: str,
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
@@ -349,14 +350,24 @@ class Transport:
                 conn.putheader("Authorization", self._authorization)
             if body is not None:
                 conn.putheader("Content-Type", content_type)
-                conn.putheader("Content-Length", str(length))
+                if length is None:
+                    conn.putheader("Transfer-Encoding", "chunked")
+                else:
+                    conn.putheader("Content-Length", str(length))
             conn.endheaders()
             if body is not None:
                 try:
                     for piece in body:
-                        conn.send(piece)
+                        if length is None and len(piece):  # a chunk of length 0 ends it
+                            conn.send(b"%x\r\n" % len(piece))
+                            conn.send(piece)
+                            conn.send(b"\r\n")
+                        elif length is not None:
+                            conn.send(piece)
                         if sent is not None:
                             sent(len(piece))
+                    if length is None:
+                        conn.send(b"0\r\n\r\n")
                 except OSError:
                     # The service may have answered early (a 4xx after the header) and
                     # closed; read that answer if there is one, else retry the transport.
