@@ -12,13 +12,14 @@ The HTTP layer is the standard library's ``http.client``: with ``sendall`` of me
 near 0.5 GB/s in our measurements, and the transfer speed is what a trainer waits on.
 
 Retries (:meth:`Transport.retry`): connection errors, a response cut short, and the answers
-``503 storage_unavailable``, ``408 request_timeout`` and ``429 too_many_uploads`` are retried
-with exponential backoff and jitter, up to ``retries`` times, each retry logged as a warning on
-the ``ckptstore`` logger. Until this transport has connected to the service once, a failed
-connection is retried for ``first_contact`` seconds only: a wrong URL, or a service that is
-not running, fails within a few seconds with a message naming the URL and ``CKPTSTORE_URL``,
-while a service that answered before and then went away (a restarting replica) gets every
-retry. Every other error answer is raised at once, typed.
+``503 storage_unavailable`` (``lock_lost`` too), ``503 too_many_uploads`` and ``408
+request_timeout`` are retried with exponential backoff and jitter, up to ``retries`` times,
+each retry logged as a warning on the ``ckptstore`` logger. Until this transport has
+connected to the service once, a failed connection is retried for ``first_contact`` seconds
+only: a wrong URL, or a service that is not running, fails within a few seconds with a
+message naming the URL and ``CKPTSTORE_URL``, while a service that answered before and then
+went away (a restarting replica) gets every retry. Every other error answer is raised at
+once, typed.
 
 Torch-free; imports nothing of ``ckptstore`` (the bottom of the client's modules).
 """
