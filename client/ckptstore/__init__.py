@@ -1,7 +1,8 @@
 """ckptstore client: save and load training checkpoints through a ckptstore service.
 
 ``import ckptstore`` does not import torch: the wire format and codec are torch-free and the
-service uses them. ``CheckpointClient`` (and the state-dict code) import torch on first use.
+service uses them. ``CheckpointClient`` (and the state-dict code) import torch on first use;
+``Transport`` (the HTTP every client module shares) never does.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ckptstore_core.lossy import Lossy
 
 if TYPE_CHECKING:
     from ckptstore.client import CheckpointClient, CheckpointInfo, RunInfo
+    from ckptstore.transport import Transport
 
 __version__ = "0.1.0"
 
@@ -60,6 +62,7 @@ __all__ = [
     "ServiceUnavailable",
     "StorageUnavailable",
     "TooManyUploads",
+    "Transport",
     "Unauthorized",
     "UnsupportedDtype",
 ]
@@ -70,4 +73,8 @@ def __getattr__(name: str) -> Any:
         from ckptstore import client
 
         return getattr(client, name)
+    if name == "Transport":
+        from ckptstore.transport import Transport
+
+        return Transport
     raise AttributeError(f"module 'ckptstore' has no attribute {name!r}")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch-free at import; the client is imported when a command needs it
     from ckptstore.client import CheckpointClient
+    from ckptstore.transport import Transport
     from ckptstore_core.records import CheckpointInfo, RunInfo
 
 __all__ = ["main"]
@@ -33,13 +34,19 @@ _SAFETENSORS = (".safetensors",)
 _TORCH = (".pt", ".pth")
 
 
+def _transport(args: argparse.Namespace) -> Transport:
+    from ckptstore.transport import Transport
+
+    try:
+        return Transport(args.url, retries=args.retries, backoff=_BACKOFF)
+    except ValueError as exc:  # a URL without http(s)://: one line, not a traceback
+        raise SystemExit(f"ckptstore: {exc}") from None
+
+
 def _client(args: argparse.Namespace) -> CheckpointClient:
     from ckptstore.client import CheckpointClient
 
-    try:
-        return CheckpointClient(args.url, retries=args.retries, backoff=_BACKOFF)
-    except ValueError as exc:  # a URL without http(s)://: one line, not a traceback
-        raise SystemExit(f"ckptstore: {exc}") from None
+    return CheckpointClient(transport=_transport(args))
 
 
 def _token(args: argparse.Namespace) -> int:
@@ -47,7 +54,7 @@ def _token(args: argparse.Namespace) -> int:
     from ckptstore.tokens import create_token, list_tokens, revoke_token
     from ckptstore_core.access import token_table
 
-    with _client(args) as client:
+    with _transport(args) as client:
         if args.action == "create":
             secret, info = create_token(client, args.name, args.scope, args.runs)
             print(secret)

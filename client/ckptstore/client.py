@@ -4,14 +4,12 @@ Saving streams the state as a safetensors body straight from tensor memory, one 
 time (never the whole body in memory, no copy of contiguous CPU tensors). Loading reads the
 response straight into one buffer per tensor, which then becomes the tensor's storage.
 
-The HTTP layer is the standard library's ``http.client``: with ``sendall`` of memoryviews and
-``readinto`` of preallocated buffers it moves 2+ GB/s on loopback, where httpx (h11) topped out
-near 0.5 GB/s in our measurements, and the transfer speed is what a trainer waits on.
-
-Connection errors and 503s are retried with exponential backoff and jitter; that is safe for
-saves because a repeated POST of the same step with the same content is an idempotent 200.
-Each retry is logged as a warning on the ``ckptstore`` logger (what failed, the attempt, the
-wait), so a job or command waiting on a service that is down says so at once.
+Every request goes through the client's :class:`~ckptstore.transport.Transport`
+(``client.transport``): its connections, retries and error mapping. Connection errors and
+503s are retried with exponential backoff and jitter; that is safe for saves because a
+repeated POST of the same step with the same content is an idempotent 200. Each retry is
+logged as a warning on the ``ckptstore`` logger (what failed, the attempt, the wait), so a job
+or command waiting on a service that is down says so at once.
 
 ``save_async`` copies the state into reused host buffers and uploads it in a background
 thread through the same path as ``save`` (see :mod:`ckptstore.staging`). Connections come from
@@ -22,38 +20,31 @@ the caller's loads and listings.
 from __future__ import annotations
 
 import builtins
-import http.client
 import json
 import logging
-import os
-import random
-import select
-import socket
-import ssl
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
-from urllib.parse import quote, urlencode, urlsplit
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlencode
 
 import numpy as np
-import xxhash
 
-from ckptstore.direct import DirectWriter
-from ckptstore_core.errors import (
-    CkptStoreError,
-    CorruptData,
-    InvalidRequest,
-    InvalidStream,
-    NotFound,
-    RequestTimeout,
-    ServiceUnavailable,
-    StorageUnavailable,
-    TooManyUploads,
-    error_from_code,
+from ckptstore.transport import (
+    DEFAULT_URL,
+    PIECE,
+    Progress,
+    Transport,
+    check_tensor,
+    checkpoint_path,
+    checksums_of,
+    digest,
+    read_header,
+    read_into,
+    run_path,
 )
+from ckptstore_core.errors import CorruptData, InvalidRequest, InvalidStream
 from ckptstore_core.lossy import Lossy
 from ckptstore_core.names import check_run_name
 from ckptstore_core.records import (
@@ -65,87 +56,16 @@ from ckptstore_core.records import (
     encode_user_metadata,
 )
 from ckptstore_core.retention import KeepBest, RetentionPolicy
-from ckptstore_core.wire import FORMAT, Header, StreamParser, TensorPiece, encode_header
+from ckptstore_core.wire import FORMAT, Header, TensorPiece, encode_header
 
 if TYPE_CHECKING:
+    from ckptstore.direct import DirectWriter
     from ckptstore.staging import AsyncSaver
     from ckptstore.state import FlatState
 
-__all__ = ["DEFAULT_URL", "CheckpointClient", "CheckpointInfo", "RunInfo"]
+__all__ = ["DEFAULT_URL", "CheckpointClient", "CheckpointInfo", "RunInfo", "fetch_tensors"]
 
-#: The service a client with no ``url`` talks to when ``CKPTSTORE_URL`` is not set.
-DEFAULT_URL = "http://127.0.0.1:8000"
-
-_PIECE = 8 << 20  # bytes per socket write/read while streaming
-_CHECKSUMS_KEY = "ckptstore.xxh3_128"
-_TRANSIENT = (OSError, http.client.HTTPException)
-T = TypeVar("T")
 logger = logging.getLogger("ckptstore")
-
-
-class _Progress:
-    """A tqdm bar when asked for, else nothing."""
-
-    def __init__(self, enabled: bool, total: int, desc: str) -> None:
-        self._bar = None
-        if enabled:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError as exc:
-                raise ImportError(
-                    "progress bars need tqdm: pip install 'ckptstore[progress]'"
-                ) from exc
-            self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024)
-
-    def update(self, n: int) -> None:
-        if self._bar is not None:
-            self._bar.update(n)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
-class _Pool:
-    """Keep-alive connections to one service, one per concurrent request, thread-safe."""
-
-    def __init__(self, url: str, timeout: float) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"service URL must be http(s)://host[:port][/base], got {url!r}")
-        self._https = parts.scheme == "https"
-        self._host = parts.hostname
-        self._port = parts.port
-        self.base = parts.path.rstrip("/")
-        self._timeout = timeout
-        self._idle: list[http.client.HTTPConnection] = []
-        self._lock = threading.Lock()
-
-    def get(self) -> http.client.HTTPConnection:
-        """An idle connection the service has not closed, else a new one."""
-        while True:
-            with self._lock:
-                conn = self._idle.pop() if self._idle else None
-            if conn is None:
-                break
-            if not _dropped(conn):
-                return conn
-            conn.close()  # the service closed it while idle (its keep-alive timeout)
-        if self._https:
-            return http.client.HTTPSConnection(
-                self._host, self._port, timeout=self._timeout, context=ssl.create_default_context()
-            )
-        return http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
-
-    def put(self, conn: http.client.HTTPConnection) -> None:
-        with self._lock:
-            self._idle.append(conn)
-
-    def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
 
 
 def lossy_text(lossy: bool | Lossy | Mapping[str, Any] | None) -> str | None:
@@ -176,6 +96,10 @@ class CheckpointClient:
     plans, checks and commits, never encodes (docs/scale.md). ``None`` (the default) and
     ``False``: the service encodes.
 
+    ``transport``: a :class:`~ckptstore.Transport` to send through instead of one the
+    client makes from ``url``, ``token``, ``timeout``, ``retries`` and ``backoff`` (passing
+    any of those with it is a ``ValueError``); ``client.transport`` is the one in use.
+
     :meth:`close` (and leaving a ``with`` block) first waits for a :meth:`save_async` upload
     in flight.
     """
@@ -190,18 +114,19 @@ class CheckpointClient:
         progress: bool = False,
         token: str | None = None,
         direct: bool | None = None,
+        transport: Transport | None = None,
     ) -> None:
-        if url is None:
-            url = os.environ.get("CKPTSTORE_URL") or DEFAULT_URL
-        if token is None:
-            token = os.environ.get("CKPTSTORE_TOKEN") or None
-        self.url = url.rstrip("/")
-        # the header, not the token, is kept: no attribute shows the secret by its name
-        self._authorization = f"Bearer {token.strip()}" if token else None
-        self.retries = retries
-        self.backoff = backoff
+        if transport is None:
+            transport = Transport(
+                url, token=token, timeout=timeout, retries=retries, backoff=backoff
+            )
+        elif (url, token, timeout, retries, backoff) != (None, None, 120.0, 5, 0.5):
+            raise ValueError(
+                "pass url, token, timeout, retries and backoff to the Transport, "
+                "not with transport="
+            )
+        self.transport = transport
         self.progress = progress
-        self._pool = _Pool(self.url, timeout)
         self._saver: AsyncSaver | None = None  # made by the first save_async (imports torch)
         self._saver_lock = threading.Lock()
         self.direct = bool(direct)
@@ -219,7 +144,30 @@ class CheckpointClient:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        self._pool.close()
+        self.transport.close()
+
+    @property
+    def url(self) -> str:
+        """The service's base URL (the transport's)."""
+        return self.transport.url
+
+    @property
+    def retries(self) -> int:
+        """Retries after a first attempt (the transport's; settable)."""
+        return self.transport.retries
+
+    @retries.setter
+    def retries(self, value: int) -> None:
+        self.transport.retries = value
+
+    @property
+    def backoff(self) -> float:
+        """Seconds before the first retry, doubled at each (the transport's; settable)."""
+        return self.transport.backoff
+
+    @backoff.setter
+    def backoff(self, value: float) -> None:
+        self.transport.backoff = value
 
     def __enter__(self) -> CheckpointClient:
         return self
@@ -361,13 +309,12 @@ class CheckpointClient:
 
     def list(self, run: str) -> builtins.list[CheckpointInfo]:
         """The committed checkpoints of ``run``, by step."""
-        path = self._run_path(run) + "/checkpoints"
-        obj = self._retry(lambda: self._get_json(path))
+        obj = self.transport.call("GET", run_path(run) + "/checkpoints")
         return [CheckpointInfo.from_json(c) for c in obj["checkpoints"]]
 
     def runs(self) -> builtins.list[RunInfo]:
         """Every run with at least one committed checkpoint."""
-        obj = self._retry(lambda: self._get_json("/v1/runs"))
+        obj = self.transport.call("GET", "/v1/runs")
         return [RunInfo.from_json(r) for r in obj["runs"]]
 
     def delete(self, run: str, step: int) -> None:
@@ -376,12 +323,12 @@ class CheckpointClient:
         that). Raises CheckpointNotFound / RunNotFound if there is none, RunBusy (409)
         while a checkpoint of the run is being written in parts. A retry after a lost
         answer that finds the checkpoint gone is taken as done (docs/lifecycle.md)."""
-        self._delete(self._path(run, step))
+        self.transport.delete(checkpoint_path(run, step))
 
     def delete_run(self, run: str) -> None:
         """Delete every checkpoint of ``run``; a later save under that name starts a fresh
         chain. Raises RunNotFound if it has none (a retry as :meth:`delete`)."""
-        self._delete(self._run_path(run))
+        self.transport.delete(run_path(run))
 
     def fork(self, src_run: str, src_step: int, new_run: str) -> CheckpointInfo:
         """Make run ``new_run`` whose first checkpoint, at ``src_step``, loads to exactly
@@ -394,18 +341,20 @@ class CheckpointClient:
         Returns the new checkpoint as listed (docs/lifecycle.md, Forks)."""
         check_run_name(src_run)
         body = {"from_run": src_run, "from_step": int(src_step)}
-        obj = self._call("POST", self._run_path(new_run) + "/fork", body)
+        obj = self.transport.call("POST", run_path(new_run) + "/fork", body)
         return CheckpointInfo.from_json(obj)
 
     def pin(self, run: str, step: int) -> CheckpointInfo:
         """Pin checkpoint ``step`` of ``run``: no delete takes it (:meth:`delete` raises
         CheckpointPinned; retention keeps it) until :meth:`unpin`. Returns it as listed."""
-        return CheckpointInfo.from_json(self._call("PUT", self._path(run, step) + "/pin"))
+        obj = self.transport.call("PUT", checkpoint_path(run, step) + "/pin")
+        return CheckpointInfo.from_json(obj)
 
     def unpin(self, run: str, step: int) -> CheckpointInfo:
         """Unpin checkpoint ``step`` of ``run``; its run's retention policy may then delete
         it (in the background). Returns it as listed."""
-        return CheckpointInfo.from_json(self._call("DELETE", self._path(run, step) + "/pin"))
+        obj = self.transport.call("DELETE", checkpoint_path(run, step) + "/pin")
+        return CheckpointInfo.from_json(obj)
 
     def set_retention(
         self,
@@ -429,21 +378,21 @@ class CheckpointClient:
         (docs/lifecycle.md)."""
         best = KeepBest(*keep_best) if isinstance(keep_best, tuple) else keep_best
         policy = RetentionPolicy(keep_last, keep_every, best, lossy_after, lossy)
-        path = self._run_path(run) + "/retention"
-        obj = self._call("PUT", path, policy.to_json())
+        path = run_path(run) + "/retention"
+        obj = self.transport.call("PUT", path, policy.to_json())
         return RetentionPolicy.from_json(obj["retention"])
 
     def clear_retention(self, run: str) -> RetentionPolicy | None:
         """Clear ``run``'s own retention policy; returns the one that applies from now on:
         the service's default (None: none, everything is kept)."""
-        obj = self._call("DELETE", self._run_path(run) + "/retention")
+        obj = self.transport.call("DELETE", run_path(run) + "/retention")
         applied = obj["effective_retention"]
         return None if applied is None else RetentionPolicy.from_json(applied)
 
     def run_info(self, run: str) -> RunDetail:
         """``run``'s record, its pinned steps, its own retention policy and the one applied
         (its own, else the service's default). RunNotFound if it has no checkpoint."""
-        return RunDetail.from_json(self._call("GET", self._run_path(run)))
+        return RunDetail.from_json(self.transport.call("GET", run_path(run)))
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -479,18 +428,20 @@ class CheckpointClient:
             yield prefix
             for _, tensor in ordered:
                 data = tensor_bytes(tensor)
-                for off in range(0, len(data), _PIECE):
-                    yield data[off : off + _PIECE]
+                for off in range(0, len(data), PIECE):
+                    yield data[off : off + PIECE]
 
         def attempt() -> CheckpointInfo:
-            bar = _Progress(show, header.total_len, f"save {run}/{step}")
+            bar = Progress(show, header.total_len, f"save {run}/{step}")
             try:
-                payload = self._post(self._path(run, step), body(), header.total_len, bar.update)
+                payload = self.transport.post(
+                    checkpoint_path(run, step), body(), header.total_len, bar.update
+                )
             finally:
                 bar.close()
             return CheckpointInfo.from_json(payload)
 
-        return self._retry(attempt)
+        return self.transport.retry(attempt)
 
     def _save_direct(
         self,
@@ -501,22 +452,26 @@ class CheckpointClient:
         metadata: dict[str, str],
     ) -> CheckpointInfo:
         """A save encoded here (``direct=True``): one part, sent encoded, then committed."""
+        from ckptstore.direct import DirectWriter  # the codec's kernels: only when used
         from ckptstore.state import tensor_bytes
 
         if self._writer is None:
-            self._writer = DirectWriter(self._call, self._send_stream)
+            # not retried inside: the whole part is (plan, encode, send)
+            call = lambda *a: self.transport.call(*a, retried=False)  # noqa: E731
+            self._writer = DirectWriter(call, self._send_stream)
         writer = self._writer
-        path = self._path(run, step)
+        path = checkpoint_path(run, step)
 
         def data() -> Iterator[TensorPiece]:
             for i, t in enumerate(tensors):  # one tensor's host copy at a time
                 raw = tensor_bytes(t)
-                for off in range(0, len(raw), _PIECE):
-                    yield TensorPiece(i, off, raw[off : off + _PIECE])
+                for off in range(0, len(raw), PIECE):
+                    yield TensorPiece(i, off, raw[off : off + PIECE])
 
-        sent = self._retry(lambda: writer.save_part(path, run, "direct", specs, data, {}))
+        sent = self.transport.retry(lambda: writer.save_part(path, run, "direct", specs, data, {}))
         try:
-            info = self._call("POST", path + "/commit", {"parts": ["direct"], "metadata": metadata})
+            commit = {"parts": ["direct"], "metadata": metadata}
+            info = self.transport.call("POST", path + "/commit", commit)
         except BaseException:
             writer.discard(sent)
             raise
@@ -528,290 +483,62 @@ class CheckpointClient:
     ) -> Any:
         """``method path`` with a body of unknown length (chunked), not retried here; the
         answer's JSON."""
-        conn, response = self._request(method, path, body(), None, content_type=content_type)
-        data = response.read()
-        self._done(conn, response)
-        _raise_for(response.status, data)
-        return json.loads(data)
+        return self.transport.send(method, path, body(), None, content_type=content_type)
 
     def _fetch(
         self, run: str, step: int | str, prefix: str | None, map_location: Any, show: bool
     ) -> tuple[dict[str, Any], dict[str, str], int | str]:
-        """The tensors of ``run/step`` whose names start with ``prefix``, the header's
-        metadata and the step served (``latest`` resolved)."""
-        from ckptstore.state import tensor_from_bytes
-
-        query = f"?{urlencode({'prefix': prefix})}" if prefix else ""
-        header, buffers, served = self._retry(
-            lambda: self._download(self._path(run, step) + query, show, f"load {run}/{step}")
-        )
-        tensors = {}
-        for spec, buf in zip(header.tensors, buffers, strict=True):
-            tensor = tensor_from_bytes(buf, spec.dtype, spec.shape)
-            if str(map_location) != "cpu":
-                tensor = tensor.to(map_location)
-            tensors[spec.name] = tensor
-        return tensors, dict(header.metadata), step if served is None else int(served)
-
-    @staticmethod
-    def _run_path(run: str) -> str:
-        """The run's path; InvalidRequest for a name the service would refuse."""
-        return f"/v1/runs/{quote(check_run_name(run), safe='')}"
-
-    @staticmethod
-    def _path(run: str, step: int | str) -> str:
-        """The checkpoint's path; InvalidRequest for a run name the service would refuse
-        (the same rule), before anything is sent."""
-        return f"{CheckpointClient._run_path(run)}/checkpoints/{quote(str(step), safe='')}"
-
-    def _request(
-        self,
-        method: str,
-        path: str,
-        body: Iterable[memoryview | bytes] | None = None,
-        length: int | None = 0,
-        sent: Callable[[int], None] | None = None,
-        content_type: str = "application/octet-stream",
-    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        """Send a request; returns the connection (give it back with ``_done``) and response."""
-        conn = self._pool.get()
-        try:
-            conn.putrequest(method, self._pool.base + path, skip_accept_encoding=True)
-            if self._authorization is not None:
-                conn.putheader("Authorization", self._authorization)
-            if body is not None:
-                conn.putheader("Content-Type", content_type)
-                if length is None:
-                    conn.putheader("Transfer-Encoding", "chunked")
-                else:
-                    conn.putheader("Content-Length", str(length))
-            conn.endheaders()
-            if body is not None:
-                try:
-                    for piece in body:
-                        if length is None and len(piece):  # a chunk of length 0 ends it
-                            conn.send(b"%x\r\n" % len(piece))
-                            conn.send(piece)
-                            conn.send(b"\r\n")
-                        elif length is not None:
-                            conn.send(piece)
-                        if sent is not None:
-                            sent(len(piece))
-                    if length is None:
-                        conn.send(b"0\r\n\r\n")
-                except OSError:
-                    # The service may have answered early (a 4xx after the header) and
-                    # closed; read that answer if there is one, else retry the transport.
-                    response = conn.getresponse()
-                    if response.status < 400:
-                        raise
-                    return conn, response
-            return conn, conn.getresponse()
-        except BaseException:
-            conn.close()
-            raise
-
-    def _done(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
-        if response.isclosed() and not response.will_close:
-            self._pool.put(conn)
-        else:
-            conn.close()
-
-    def _post(
-        self,
-        path: str,
-        body: Iterator[memoryview | bytes],
-        length: int,
-        sent: Callable[[int], None],
-    ) -> Any:
-        conn, response = self._request("POST", path, body, length, sent)
-        data = response.read()
-        self._done(conn, response)
-        _raise_for(response.status, data)
-        return json.loads(data)
-
-    def _delete(self, path: str) -> None:
-        """DELETE ``path``, retried as configured; a 404 after a first attempt that may
-        have deleted it (its answer lost) is success."""
-        tries = 0
-
-        def attempt() -> None:
-            nonlocal tries
-            tries += 1
-            conn, response = self._request("DELETE", path)
-            data = response.read()
-            self._done(conn, response)
-            try:
-                _raise_for(response.status, data)
-            except NotFound:
-                if tries == 1:
-                    raise
-
-        self._retry(attempt)
-
-    def _call(self, method: str, path: str, payload: Any = None) -> Any:
-        """``method path`` with ``payload`` as its JSON body (if not None), retried as
-        configured (the callers' requests are idempotent); the answer's JSON."""
-        body = None if payload is None else json.dumps(payload).encode()
-
-        def attempt() -> Any:
-            pieces = None if body is None else [body]
-            length = 0 if body is None else len(body)
-            conn, response = self._request(
-                method, path, pieces, length, content_type="application/json"
-            )
-            data = response.read()
-            self._done(conn, response)
-            _raise_for(response.status, data)
-            return json.loads(data)
-
-        return self._retry(attempt)
-
-    def _get_json(self, path: str) -> Any:
-        conn, response = self._request("GET", path)
-        data = response.read()
-        self._done(conn, response)
-        _raise_for(response.status, data)
-        return json.loads(data)
-
-    def _download(
-        self, path: str, show: bool, desc: str
-    ) -> tuple[Header, builtins.list[memoryview], str | None]:
-        conn, response = self._request("GET", path)
-        try:
-            if response.status >= 300:
-                _raise_for(response.status, response.read())
-            served = response.getheader("X-Ckptstore-Step")
-            total = int(response.getheader("Content-Length") or 0)
-            bar = _Progress(show, total, desc)
-            try:
-                header = _read_header(response)
-                bar.update(header.header_len)
-                buffers = []
-                for spec in header.tensors:
-                    # uninitialised: zero-filling what the socket overwrites cost ~10 ms/100 MB
-                    buf = np.empty(spec.nbytes, np.uint8).data
-                    _read_into(response, buf, bar.update)
-                    buffers.append(buf)
-            finally:
-                bar.close()
-            if response.read(1):
-                raise InvalidStream("response is longer than its header says")
-        except BaseException:
-            conn.close()
-            raise
-        self._done(conn, response)
-        _verify(header, buffers)
-        return header, buffers, served
-
-    def _retry(self, attempt: Callable[[], T]) -> T:
-        """``attempt()``, again after each transient failure (up to ``retries`` times, each
-        logged as a warning), backing off exponentially with jitter."""
-        for n in range(self.retries + 1):
-            try:
-                return attempt()
-            except (*_TRANSIENT, StorageUnavailable, RequestTimeout, TooManyUploads) as exc:
-                if n == self.retries:
-                    if isinstance(exc, CkptStoreError):
-                        raise
-                    if isinstance(exc, http.client.IncompleteRead):
-                        # the status line and headers came: the service failed mid-stream
-                        raise ServiceUnavailable(
-                            f"the ckptstore service at {self.url} cut its response short "
-                            f"({exc!r}): it failed while sending; its log says why"
-                        ) from exc
-                    raise ServiceUnavailable(
-                        f"cannot reach the ckptstore service at {self.url}: {_reason(exc)}"
-                    ) from exc
-                delay = self.backoff * 2**n * (0.5 + random.random())
-                logger.warning(
-                    "%s; retrying in %.1f s (retry %d of %d)",
-                    _failure(self.url, exc),
-                    delay,
-                    n + 1,
-                    self.retries,
-                )
-                time.sleep(delay)
-        raise AssertionError("unreachable")
+        return fetch_tensors(self.transport, run, step, prefix, map_location, show)
 
 
-def _dropped(conn: http.client.HTTPConnection) -> bool:
-    """Whether an idle keep-alive connection was closed by its peer: its socket is readable
-    (an EOF, or bytes no request asked for) or gone. Without this check, the next request on
-    it would fail once (``RemoteDisconnected``) and cost a retry with its back-off."""
-    sock = conn.sock
-    if sock is None:
-        return True
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
-        return True
-    return bool(readable)
+def fetch_tensors(
+    transport: Transport,
+    run: str,
+    step: int | str,
+    prefix: str | None,
+    map_location: Any,
+    show: bool,
+) -> tuple[dict[str, Any], dict[str, str], int | str]:
+    """The tensors of ``run/step`` whose names start with ``prefix`` (on ``map_location``),
+    the header's metadata and the step served (``latest`` resolved); retried as
+    ``transport`` is configured, a progress bar if ``show``."""
+    from ckptstore.state import tensor_from_bytes
 
-
-def _failure(url: str, exc: BaseException) -> str:
-    """What a transient failure of a request to ``url`` was, in one line for a log."""
-    if isinstance(exc, CkptStoreError):
-        return f"{url} answered {exc.status} {exc.code}: {exc.message}"
-    if isinstance(exc, http.client.IncompleteRead):
-        return f"{url} cut its response short"
-    return f"cannot reach {url}: {_reason(exc)}"
-
-
-def _reason(exc: BaseException) -> str:
-    """A network failure in a few words ("connection refused", "timed out"), else its repr."""
-    if isinstance(exc, socket.gaierror):
-        return f"host not found ({exc.strerror})"
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror[:1].lower() + exc.strerror[1:]
-    return repr(exc)
-
-
-def _read_into(
-    response: http.client.HTTPResponse, view: memoryview, progress: Callable[[int], None]
-) -> None:
-    got = 0
-    while got < len(view):
-        n = response.readinto(view[got : got + _PIECE])
-        if not n:
-            raise http.client.IncompleteRead(bytes(0), len(view) - got)
-        got += n
-        progress(n)
-
-
-def _read_header(response: http.client.HTTPResponse) -> Header:
-    parser = StreamParser(max_header_bytes=1 << 30)
-    prefix = bytearray(8)
-    _read_into(response, memoryview(prefix), lambda n: None)
-    list(parser.feed(prefix))
-    text = bytearray(int.from_bytes(prefix, "little"))
-    _read_into(response, memoryview(text), lambda n: None)
-    events = list(parser.feed(text))
-    if not events or not isinstance(events[0], Header):
-        raise InvalidStream("response header did not parse")
-    return events[0]
-
-
-def _raise_for(status: int, data: bytes) -> None:
-    if status < 300:
-        return
-    try:
-        err = json.loads(data)["error"]
-        code, message = err["code"], err["message"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CkptStoreError(f"HTTP {status}: {data[:500]!r}") from exc
-    raise error_from_code(code, message, status)
-
-
-def _verify(header: Header, buffers: builtins.list[memoryview]) -> None:
-    """Check each tensor against the checksum the service recorded at save time."""
-    raw = header.metadata.get(_CHECKSUMS_KEY)
-    if raw is None:
-        return
-    expected = json.loads(raw)
+    query = f"?{urlencode({'prefix': prefix})}" if prefix else ""
+    header, buffers, served = transport.retry(
+        lambda: _download(transport, checkpoint_path(run, step) + query, show, f"load {run}/{step}")
+    )
+    tensors = {}
     for spec, buf in zip(header.tensors, buffers, strict=True):
-        want = expected.get(spec.name)
-        if want is not None and xxhash.xxh3_128_hexdigest(buf) != want:
-            raise CorruptData(f"tensor {spec.name!r} arrived corrupted (checksum mismatch)")
+        tensor = tensor_from_bytes(buf, spec.dtype, spec.shape)
+        if str(map_location) != "cpu":
+            tensor = tensor.to(map_location)
+        tensors[spec.name] = tensor
+    return tensors, dict(header.metadata), step if served is None else int(served)
+
+
+def _download(
+    transport: Transport, path: str, show: bool, desc: str
+) -> tuple[Header, builtins.list[memoryview], str | None]:
+    with transport.stream("GET", path) as response:
+        served = response.getheader("X-Ckptstore-Step")
+        total = int(response.getheader("Content-Length") or 0)
+        bar = Progress(show, total, desc)
+        try:
+            header = read_header(response)
+            checksums = checksums_of(header)
+            bar.update(header.header_len)
+            buffers = []
+            for spec in header.tensors:
+                # uninitialised: zero-filling what the socket overwrites cost ~10 ms/100 MB
+                buf = np.empty(spec.nbytes, np.uint8).data
+                read_into(response, buf, bar.update)
+                # checked as it ends, before the next is read: a service that finds stored
+                # data corrupt mid-stream completes this tensor wrong, then cuts the response
+                check_tensor(spec.name, digest(buf), checksums)
+                buffers.append(buf)
+        finally:
+            bar.close()
+        if response.read(1):
+            raise InvalidStream("response is longer than its header says")
+    return header, buffers, served

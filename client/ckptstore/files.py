@@ -7,9 +7,10 @@ piece buffer, whatever the checkpoint's size, and neither side builds tensors (n
 
 A pulled file is checked against the checksums the service sends (``ckptstore.xxh3_128`` in
 its metadata; the file keeps them) and is written to ``FILE.tmp``, then renamed: a failure
-leaves no half file behind. Both transfers go through a :class:`~ckptstore.CheckpointClient`'s
-connections and retries; a retry starts the transfer over (a pull pinned to the step the first
-answer served, so ``latest`` cannot move under it).
+leaves no half file behind. Both transfers go through a :class:`~ckptstore.Transport` (or a
+:class:`~ckptstore.CheckpointClient`'s: each function takes either) and its retries; a retry
+starts the transfer over (a pull pinned to the step the first answer served, so ``latest``
+cannot move under it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import io
-import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,14 +25,23 @@ from typing import TypeVar
 
 import xxhash
 
-from ckptstore.client import _CHECKSUMS_KEY, CheckpointClient, _Progress, _raise_for
-from ckptstore_core.errors import CorruptData, InvalidStream
+from ckptstore.transport import (
+    CHECKSUMS_KEY,
+    PIECE,
+    Progress,
+    Transport,
+    UsesTransport,
+    check_tensor,
+    checkpoint_path,
+    checksums_of,
+    transport_of,
+)
+from ckptstore_core.errors import InvalidStream
 from ckptstore_core.records import CheckpointInfo
 from ckptstore_core.wire import Header, StreamParser, encode_header
 
 __all__ = ["pull_file", "push_file", "temporary_path"]
 
-_PIECE = 8 << 20  # bytes per read and per socket write
 _MAX_HEADER = 1 << 30  # as the client's loads: a file's header is the caller's own
 T = TypeVar("T")
 
@@ -43,25 +52,28 @@ def temporary_path(path: Path) -> Path:
 
 
 def pull_file(
-    client: CheckpointClient, run: str, step: int | str, path: Path, *, progress: bool = False
+    client: Transport | UsesTransport,
+    run: str,
+    step: int | str,
+    path: Path,
+    *,
+    progress: bool = False,
 ) -> int:
     """Write checkpoint ``run/step`` (``step`` may be ``"latest"``) to ``path`` as the
     safetensors file the service streams, checked against its checksums; returns the step
     served. ``path`` appears whole or not at all."""
-    client._path(run, step)  # a bad run name fails before a file is made
+    transport = transport_of(client)
+    checkpoint_path(run, step)  # a bad run name fails before a file is made
     tmp = temporary_path(path)
     pinned = step
 
     def attempt(out: io.BufferedWriter) -> int:
         nonlocal pinned
-        conn, response = client._request("GET", client._path(run, pinned))
-        try:
-            if response.status >= 300:
-                _raise_for(response.status, response.read())
+        with transport.stream("GET", checkpoint_path(run, pinned)) as response:
             served = int(response.getheader("X-Ckptstore-Step") or pinned)
             pinned = served  # a retry fetches this very checkpoint, even if latest moved
             total = int(response.getheader("Content-Length") or 0)
-            bar = _Progress(progress, total, f"pull {run}/{served}")
+            bar = Progress(progress, total, f"pull {run}/{served}")
             try:
                 with _local(tmp):
                     out.seek(0)
@@ -69,15 +81,11 @@ def pull_file(
                 _copy_verified(response, total, out, tmp, bar.update)
             finally:
                 bar.close()
-        except BaseException:
-            conn.close()
-            raise
-        client._done(conn, response)
         return served
 
     try:
         with open(tmp, "wb") as out:  # opened once: a local error is not the network's
-            served = _unwrap_local(lambda: client._retry(lambda: attempt(out)))
+            served = _unwrap_local(lambda: transport.retry(lambda: attempt(out)))
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
@@ -88,12 +96,18 @@ def pull_file(
 
 
 def push_file(
-    client: CheckpointClient, path: Path, run: str, step: int, *, progress: bool = False
+    client: Transport | UsesTransport,
+    path: Path,
+    run: str,
+    step: int,
+    *,
+    progress: bool = False,
 ) -> CheckpointInfo:
     """Save the safetensors file ``path`` as checkpoint ``run/step``, its bytes streamed as
     the body (a file ``ckptstore pull`` wrote loses only the response-only checksums from
     its header, so pushing it back is the same checkpoint). Returns the stored record."""
-    client._path(run, step)  # a bad run name fails before the file is read
+    transport = transport_of(client)
+    checkpoint_path(run, step)  # a bad run name fails before the file is read
     with open(path, "rb") as f:
         header, prefix = _file_header(f, path)
     length = len(prefix) + header.data_len
@@ -105,15 +119,15 @@ def push_file(
         yield from _pieces(f, header.data_len, path)
 
     def attempt(f: io.BufferedReader) -> CheckpointInfo:
-        bar = _Progress(progress, length, f"push {run}/{step}")
+        bar = Progress(progress, length, f"push {run}/{step}")
         try:
-            payload = client._post(client._path(run, step), body(f), length, bar.update)
+            payload = transport.post(checkpoint_path(run, step), body(f), length, bar.update)
         finally:
             bar.close()
         return CheckpointInfo.from_json(payload)
 
     with open(path, "rb") as f:  # held open: a file that goes away mid-push still reads
-        return _unwrap_local(lambda: client._retry(lambda: attempt(f)))
+        return _unwrap_local(lambda: transport.retry(lambda: attempt(f)))
 
 
 class _LocalError(Exception):
@@ -153,10 +167,15 @@ def _copy_verified(
     arrives, parsing it as a safetensors stream and checking each tensor against the
     checksum in its metadata: CorruptData if one does not match, InvalidStream if the
     stream is malformed, IncompleteRead (which the client retries) if the connection closes
-    before ``length`` bytes."""
+    before ``length`` bytes. Each tensor is checked as its last byte arrives: a service that
+    finds stored data corrupt mid-stream completes that tensor wrong, then cuts the
+    response."""
     parser = StreamParser(max_header_bytes=_MAX_HEADER)
     hashers: list[xxhash.xxh3_128] = []
-    buf = memoryview(bytearray(_PIECE))
+    names: list[str] = []
+    left: list[int] = []  # bytes still to come, per tensor
+    expected: dict[str, str] = {}
+    buf = memoryview(bytearray(PIECE))
     got = 0
     while True:
         n = response.readinto(buf)
@@ -168,17 +187,22 @@ def _copy_verified(
         for event in parser.feed(buf[:n]):
             if isinstance(event, Header):
                 hashers = [xxhash.xxh3_128() for _ in event.tensors]
+                names = [t.name for t in event.tensors]
+                left = [t.nbytes for t in event.tensors]
+                expected = checksums_of(event)
             else:
                 hashers[event.index].update(event.data)
+                left[event.index] -= len(event.data)
+                if not left[event.index]:
+                    digest = hashers[event.index].hexdigest()
+                    check_tensor(names[event.index], digest, expected)
         with _local(path):
             out.write(buf[:n])
         progress(n)
     header = parser.close()
-    expected = json.loads(header.metadata.get(_CHECKSUMS_KEY, "{}"))
+    expected = checksums_of(header)
     for spec, hasher in zip(header.tensors, hashers, strict=True):
-        want = expected.get(spec.name)
-        if want is not None and hasher.hexdigest() != want:
-            raise CorruptData(f"tensor {spec.name!r} arrived corrupted (checksum mismatch)")
+        check_tensor(spec.name, hasher.hexdigest(), expected)
 
 
 def _file_header(f: io.BufferedReader, path: Path) -> tuple[Header, bytes]:
@@ -204,9 +228,9 @@ def _file_header(f: io.BufferedReader, path: Path) -> tuple[Header, bytes]:
             f"{path} is not a whole safetensors file: it holds {size} bytes where its header "
             f"promises {header.total_len}"
         )
-    if _CHECKSUMS_KEY not in header.metadata:
+    if CHECKSUMS_KEY not in header.metadata:
         return header, raw
-    metadata = {k: v for k, v in header.metadata.items() if k != _CHECKSUMS_KEY}
+    metadata = {k: v for k, v in header.metadata.items() if k != CHECKSUMS_KEY}
     prefix, _ = encode_header([(t.name, t.dtype, t.shape) for t in header.tensors], metadata)
     return header, prefix
 
@@ -214,11 +238,11 @@ def _file_header(f: io.BufferedReader, path: Path) -> tuple[Header, bytes]:
 def _pieces(f: io.BufferedReader, length: int, path: Path) -> Iterator[memoryview]:
     """``length`` bytes of ``f`` from where it stands, in pieces of one reused buffer (each
     is sent before the next is read)."""
-    buf = memoryview(bytearray(_PIECE))
+    buf = memoryview(bytearray(PIECE))
     left = length
     while left:
         with _local(path):
-            n = f.readinto(buf[: min(left, _PIECE)])
+            n = f.readinto(buf[: min(left, PIECE)])
         if not n:
             raise InvalidStream(f"{path} became shorter while it was being sent")
         yield buf[:n]

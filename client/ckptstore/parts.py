@@ -1,5 +1,5 @@
-"""The HTTP calls of multi-part checkpoints, over a :class:`~ckptstore.CheckpointClient`'s
-connections and retries.
+"""The HTTP calls of multi-part checkpoints, over a :class:`~ckptstore.Transport` (or a
+:class:`~ckptstore.CheckpointClient`'s: each function takes either).
 
 A distributed save uploads one *part* per rank and commits them once::
 
@@ -22,24 +22,27 @@ Used by :mod:`ckptstore.dcp`; torch-free (the caller turns bytes into tensors).
 
 from __future__ import annotations
 
-import http.client
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
 import numpy as np
-import xxhash
 
-from ckptstore.client import (
-    _CHECKSUMS_KEY,
-    CheckpointClient,
-    _raise_for,
-    _read_header,
-    _read_into,
+from ckptstore.transport import (
+    PIECE,
+    Transport,
+    UsesTransport,
+    check_tensor,
+    checkpoint_path,
+    checksums_of,
+    digest,
+    read_header,
+    read_into,
+    transport_of,
 )
 from ckptstore_core.dcp_layout import FULL, LAYOUT_KEY
-from ckptstore_core.errors import CorruptData, InvalidStream
+from ckptstore_core.errors import InvalidStream
 from ckptstore_core.names import PART_NAME_RULE, check_part_name
 from ckptstore_core.wire import FORMAT, TensorSpec, encode_header
 
@@ -53,43 +56,14 @@ __all__ = [
     "select",
 ]
 
-_PIECE = 8 << 20  # bytes per socket write while streaming
-
 #: ``(name, safetensors dtype code, shape)`` of one tensor of a part, in stream order.
 Spec = tuple[str, str, Sequence[int]]
-
-
-def _checkpoint_path(run: str, step: int | str) -> str:
-    return CheckpointClient._path(run, step)
-
-
-def _call(
-    client: CheckpointClient,
-    method: str,
-    path: str,
-    body: Iterable[bytes | memoryview] | None,
-    length: int,
-    content_type: str,
-) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    """Send one request on a pooled connection of ``client``; give it back with
-    ``client._done`` once the response is read."""
-    return client._request(method, path, body, length, content_type=content_type)
-
-
-def _json_call(client: CheckpointClient, method: str, path: str, obj: object | None) -> Any:
-    data = None if obj is None else json.dumps(obj, separators=(",", ":")).encode()
-    conn, response = _call(
-        client, method, path, None if data is None else [data], len(data or b""),
-        "application/json",
-    )  # fmt: skip
-    raw = response.read()
-    client._done(conn, response)
-    _raise_for(response.status, raw)
-    return json.loads(raw)
+#: What the functions here send through: a transport, or what has one (a client).
+Via = Transport | UsesTransport
 
 
 def put_part(
-    client: CheckpointClient,
+    client: Via,
     run: str,
     step: int,
     part: str,
@@ -99,7 +73,8 @@ def put_part(
     """Upload part ``part`` of checkpoint ``run/step``: the tensors ``specs`` (in order),
     whose bytes ``data()`` yields back to back (called again on each retry). Returns the
     service's JSON (``tensors``, ``raw_bytes``, ``stored_bytes``, ...)."""
-    path = f"{_checkpoint_path(run, step)}/parts/{quote(check_part_name(part), safe='')}"
+    transport = transport_of(client)
+    path = f"{checkpoint_path(run, step)}/parts/{quote(check_part_name(part), safe='')}"
     prefix, header = encode_header(specs, {"format": FORMAT})
 
     def body() -> Iterator[memoryview | bytes]:
@@ -107,27 +82,21 @@ def put_part(
         sent = 0
         for piece in data():
             view = memoryview(piece).cast("B")
-            for off in range(0, len(view), _PIECE):
-                yield view[off : off + _PIECE]
+            for off in range(0, len(view), PIECE):
+                yield view[off : off + PIECE]
             sent += len(view)
         if sent != header.data_len:
             raise ValueError(f"part {part!r}: {sent} bytes of tensor data, not {header.data_len}")
 
     def attempt() -> dict[str, Any]:
-        conn, response = _call(
-            client, "PUT", path, body(), header.total_len, "application/octet-stream"
-        )
-        raw = response.read()
-        client._done(conn, response)
-        _raise_for(response.status, raw)
-        out: dict[str, Any] = json.loads(raw)
+        out: dict[str, Any] = transport.send("PUT", path, body(), header.total_len)
         return out
 
-    return client._retry(attempt)
+    return transport.retry(attempt)
 
 
 def commit(
-    client: CheckpointClient,
+    client: Via,
     run: str,
     step: int,
     parts: Sequence[str],
@@ -135,21 +104,21 @@ def commit(
 ) -> dict[str, Any]:
     """Make checkpoint ``run/step`` of ``parts`` visible, with ``metadata``; the record."""
     body = {"parts": [check_part_name(p) for p in parts], "metadata": dict(metadata)}
-    path = f"{_checkpoint_path(run, step)}/commit"
-    out: dict[str, Any] = client._retry(lambda: _json_call(client, "POST", path, body))
+    path = f"{checkpoint_path(run, step)}/commit"
+    out: dict[str, Any] = transport_of(client).call("POST", path, body)
     return out
 
 
-def info(client: CheckpointClient, run: str, step: int | str) -> dict[str, Any]:
+def info(client: Via, run: str, step: int | str) -> dict[str, Any]:
     """``{"checkpoint": record, "metadata": {...}, "tensors": [{"name","dtype","shape"}]}``
     of checkpoint ``run/step`` (``step`` may be ``"latest"``)."""
-    path = f"{_checkpoint_path(run, step)}/info"
-    out: dict[str, Any] = client._retry(lambda: _json_call(client, "GET", path, None))
+    path = f"{checkpoint_path(run, step)}/info"
+    out: dict[str, Any] = transport_of(client).call("GET", path)
     return out
 
 
 def select(
-    client: CheckpointClient,
+    client: Via,
     run: str,
     step: int,
     names: Iterable[str],
@@ -159,8 +128,9 @@ def select(
     ``consume(spec, data)`` as it arrives (``data`` is valid during the call only), checked
     against its checksum. Each tensor is consumed once: a retry after a cut connection asks
     for the rest only. Returns the bytes of tensor data received."""
+    transport = transport_of(client)
     left = dict.fromkeys(names)  # the names not consumed yet, in the order asked
-    path = f"{_checkpoint_path(run, step)}/select"
+    path = f"{checkpoint_path(run, step)}/select"
     received = 0
 
     def attempt() -> None:
@@ -168,12 +138,9 @@ def select(
         if not left:
             return
         raw = json.dumps({"names": list(left)}, separators=(",", ":")).encode()
-        conn, response = _call(client, "POST", path, [raw], len(raw), "application/json")
-        try:
-            if response.status >= 300:
-                _raise_for(response.status, response.read())
-            header = _read_header(response)
-            sums = json.loads(header.metadata.get(_CHECKSUMS_KEY, "{}"))
+        with transport.stream("POST", path, [raw], len(raw), "application/json") as response:
+            header = read_header(response)
+            sums = checksums_of(header)
             unasked = {t.name for t in header.tensors} - left.keys()
             if unasked or len(header.tensors) != len(left):
                 raise InvalidStream(
@@ -182,21 +149,15 @@ def select(
                 )
             for spec in header.tensors:
                 buf = np.empty(spec.nbytes, np.uint8).data
-                _read_into(response, buf, lambda n: None)
-                want = sums.get(spec.name)
-                if want is not None and xxhash.xxh3_128_hexdigest(buf) != want:
-                    raise CorruptData(f"tensor {spec.name!r} arrived corrupted (checksum mismatch)")
+                read_into(response, buf, lambda n: None)
+                check_tensor(spec.name, digest(buf), sums)
                 consume(spec, buf)
                 del left[spec.name]
                 received += spec.nbytes
             if response.read(1):
                 raise InvalidStream("response is longer than its header says")
-        except BaseException:
-            conn.close()
-            raise
-        client._done(conn, response)
 
-    client._retry(attempt)
+    transport.retry(attempt)
     return received
 
 
@@ -205,10 +166,11 @@ def full_state_if_distributed(
 ) -> Any:
     """:meth:`CheckpointClient.load`'s hook for a checkpoint without a skeleton: a plain
     safetensors file stays the flat dict ``tensors``; a DCP checkpoint, which the service
-    serves as its full tensors, becomes its state dict (:func:`ckptstore.dcp.full_state`).
-    Imports torch.distributed.checkpoint only for such checkpoints."""
+    serves as its full tensors, becomes its state dict
+    (:func:`ckptstore.dcp_metadata.full_state`). Imports torch.distributed.checkpoint only
+    for such checkpoints."""
     if metadata.get(LAYOUT_KEY) != FULL:
         return tensors
-    from ckptstore.dcp import full_state_if_dcp
+    from ckptstore.dcp_metadata import full_state_if_dcp
 
     return full_state_if_dcp(tensors, metadata, map_location)

@@ -74,6 +74,8 @@ __all__ = [
     "tensor_bytes",
     "tensor_from_bytes",
     "FlatState",
+    "DTYPE_TO_NAME",
+    "NAME_TO_DTYPE",
 ]
 
 SKELETON_VERSION: Final = 1
@@ -129,10 +131,10 @@ _DTYPE_NAMES: Final = (
     "quint4x2",
     "quint2x4",
 )
-_DTYPE_TO_NAME: Final[dict[torch.dtype, str]] = {
+DTYPE_TO_NAME: Final[dict[torch.dtype, str]] = {
     getattr(torch, n): n for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
 }
-_NAME_TO_DTYPE: Final[dict[str, torch.dtype]] = {n: dt for dt, n in _DTYPE_TO_NAME.items()}
+NAME_TO_DTYPE: Final[dict[str, torch.dtype]] = {n: dt for dt, n in DTYPE_TO_NAME.items()}
 
 # numpy dtypes that can ride as a tensor, by numpy's dtype.str (native little-endian only).
 _NUMPY_TO_TORCH: Final[dict[str, torch.dtype]] = {
@@ -312,7 +314,7 @@ class _Flattener:
         if type(value) is torch.Size:
             return {"t": "size", "v": list(value)}
         if type(value) is torch.dtype:
-            name = _DTYPE_TO_NAME.get(value)
+            name = DTYPE_TO_NAME.get(value)
             if name is None:
                 raise TypeError(f"unsupported dtype {value} at {_show(path)}")
             return {"t": "dtype", "v": name}
@@ -616,9 +618,9 @@ class _Unflattener:
         if tag == "size":
             return torch.Size(_decode_shape(value, path))
         if tag == "dtype":
-            if not isinstance(value, str) or value not in _NAME_TO_DTYPE:
+            if not isinstance(value, str) or value not in NAME_TO_DTYPE:
                 _bad(f"unknown dtype name {value!r}", path)
-            return _NAME_TO_DTYPE[value]
+            return NAME_TO_DTYPE[value]
         if tag == "ndarray":
             return self._ndarray(node, path)
         if tag == "npscalar":

@@ -10,24 +10,25 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
-from ckptstore.client import CheckpointClient
-from ckptstore.parts import _json_call
+from ckptstore.transport import Transport, UsesTransport, transport_of
 from ckptstore_core.access import TokenInfo, check_run_pattern, check_scope, check_token_name
 
 __all__ = ["create_token", "list_tokens", "revoke_token"]
 
 _TOKENS = "/v1/tokens"
+#: What the functions here send through: a transport, or what has one (a client).
+Via = Transport | UsesTransport
 
 
-def list_tokens(client: CheckpointClient, *, revoked: bool = False) -> list[TokenInfo]:
+def list_tokens(client: Via, *, revoked: bool = False) -> list[TokenInfo]:
     """The tokens in use (with ``revoked``, the revoked ones too), by id; never secrets."""
     path = _TOKENS + ("?revoked=true" if revoked else "")
-    obj = client._retry(lambda: _json_call(client, "GET", path, None))
+    obj = transport_of(client).call("GET", path)
     return [TokenInfo.from_json(t) for t in obj["tokens"]]
 
 
 def create_token(
-    client: CheckpointClient, name: str, scope: str, runs: str | None = None
+    client: Via, name: str, scope: str, runs: str | None = None
 ) -> tuple[str, TokenInfo]:
     """A new token: its secret (the only time anyone sees it) and its record. The name,
     scope and run pattern are checked before anything is sent."""
@@ -36,11 +37,12 @@ def create_token(
         "scope": check_scope(scope),
         "runs": None if runs is None else check_run_pattern(runs),
     }
-    obj = _json_call(client, "POST", _TOKENS, body)
+    obj = transport_of(client).call("POST", _TOKENS, body, retried=False)
     return str(obj["token"]), TokenInfo.from_json(obj["info"])
 
 
-def revoke_token(client: CheckpointClient, token: str) -> TokenInfo:
+def revoke_token(client: Via, token: str) -> TokenInfo:
     """Revoke the token of that name (or id), at once; NotFound if none is in use."""
-    obj = _json_call(client, "DELETE", f"{_TOKENS}/{quote(token, safe='')}", None)
+    path = f"{_TOKENS}/{quote(token, safe='')}"
+    obj = transport_of(client).call("DELETE", path, retried=False)
     return TokenInfo.from_json(obj["revoked"])

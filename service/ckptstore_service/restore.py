@@ -8,6 +8,12 @@ in the codec pool, in order, a bounded number ahead of the one being sent. Data 
 cache (which has no chunk checksums) is verified tensor by tensor against the checksums
 recorded at save time. The response header carries those checksums
 (``__metadata__["ckptstore.xxh3_128"]``) so the client can check too.
+
+Corruption found after the response has started can only cut it short, which a client reads
+as a service that failed while sending (retried). So a response that carries checksums first
+completes the tensor it was sending with zeros (:func:`_completed_on_corruption`): the client,
+which checks each tensor as it ends, finds that tensor's checksum wrong and raises
+``CorruptData``; the response is then cut, so no reader takes it for a whole checkpoint.
 """
 
 from __future__ import annotations
@@ -108,7 +114,9 @@ class Loader:
             info,
             [(t.name, t.dtype, t.shape) for t in tensors],
             metadata,
-            lambda stats: self._data(info, tensors, stats, fill=whole),
+            lambda stats: _completed_on_corruption(
+                tensors, self._data(info, tensors, stats, fill=whole)
+            ),
         )
 
     def _start(
@@ -195,17 +203,51 @@ def _selected(
 
 
 def _coalesced(first: bytes, pieces: Iterator[Piece]) -> Iterator[Piece]:
-    """Join small pieces into ~1 MiB writes: each piece costs a thread hop and a send."""
+    """Join small pieces into ~1 MiB writes: each piece costs a thread hop and a send. On
+    CorruptData once the response has started, the pieces joined so far go out first
+    (:func:`_completed_on_corruption`'s filler among them); before, it is the response."""
     batch: list[Piece] = [first]
     size = len(first)
-    for piece in pieces:
-        if size and size + len(piece) > _SEND_BYTES:
+    started = False
+    try:
+        for piece in pieces:
+            if size and size + len(piece) > _SEND_BYTES:
+                started = True
+                yield batch[0] if len(batch) == 1 else b"".join(batch)
+                batch, size = [], 0
+            batch.append(piece)
+            size += len(piece)
+    except CorruptData:
+        if started and batch:
             yield batch[0] if len(batch) == 1 else b"".join(batch)
-            batch, size = [], 0
-        batch.append(piece)
-        size += len(piece)
+        raise
     if batch:
         yield batch[0] if len(batch) == 1 else b"".join(batch)
+
+
+def _completed_on_corruption(tensors: list[TensorInfo], pieces: Iterator[Piece]) -> Iterator[Piece]:
+    """Pass the pieces (the bytes of ``tensors``, in order) through; if reading them raises
+    CorruptData, first complete the tensor being sent (the next one, at a boundary) with
+    zeros, then raise. The client checks that tensor against the checksum the response
+    carries and raises CorruptData; without this it would see a response cut short. Costs
+    at most one tensor's bytes, once, for a checkpoint that cannot be served anyway."""
+    ends = list(itertools.accumulate(t.nbytes for t in tensors))
+    sent = 0
+    try:
+        for piece in pieces:
+            sent += len(piece)
+            yield piece
+    except CorruptData:
+        left = next((end for end in ends if end > sent), sent) - sent
+        log.warning(
+            "corrupt data after %d bytes of a load: %d bytes of filler, then cut", sent, left
+        )
+        zeros = memoryview(bytes(min(left, _SEND_BYTES)))
+        while left:
+            n = min(left, len(zeros))
+            yield zeros[:n]
+            left -= n
+        raise
 
 
 def _verified(tensors: list[TensorInfo], pieces: Iterator[tuple[int, Piece]]) -> Iterator[Piece]:

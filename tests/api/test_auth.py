@@ -465,4 +465,4 @@ def test_the_dcp_writer_passes_the_token_and_stays_picklable() -> None:
     writer = pickle.loads(pickle.dumps(CkptStoreWriter("http://h:1", "r", token="ckpt_w")))
     assert writer.client_options["token"] == "ckpt_w"
     with CheckpointClient("http://h:1", **writer.client_options) as client:
-        assert client._authorization == "Bearer ckpt_w"
+        assert client.transport._authorization == "Bearer ckpt_w"

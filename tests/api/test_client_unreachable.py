@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import ckptstore
 from ckptstore import CheckpointClient, CkptStoreError, ServiceUnavailable
+from ckptstore.transport import FIRST_CONTACT_S
 from ckptstore_core.errors import _all_subclasses
-from support.serviceproc import free_port
+from support.serviceproc import Service, free_port
 from support.waiting import wait_until
 
 
@@ -37,6 +40,62 @@ def test_service_down_at_the_first_call() -> None:
             client.load("down")
         with pytest.raises(ServiceUnavailable):
             client.runs()
+
+
+@pytest.mark.parametrize("from_env", [False, True])
+def test_a_url_where_nothing_listens_fails_within_seconds(
+    from_env: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default retries (5, backoff 0.5 s: 12-20 s in all) are not spent on a first
+    contact: a wrong port or a service not started fails in about FIRST_CONTACT_S, and says
+    which URL and how to set it."""
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setenv("CKPTSTORE_URL", url if from_env else "http://127.0.0.1:9")
+    with CheckpointClient(None if from_env else url) as client:
+        t0 = time.perf_counter()
+        with pytest.raises(ServiceUnavailable) as info:
+            client.runs()
+        took = time.perf_counter() - t0
+    assert took < 5, f"failed after {took:.1f} s"
+    message = str(info.value)
+    assert url in message and "CKPTSTORE_URL" in message, message
+    assert "connection refused" in message
+    assert ("from CKPTSTORE_URL" in message) == from_env, message
+
+
+def test_a_service_that_answered_then_restarts_is_waited_for(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once the service has answered, a call made while it is down keeps retrying (well past
+    the first-contact grace) and succeeds when it is back on the same port: a restarting
+    replica must not fail a training job."""
+    svc = Service(tmp_path / "data").start()
+    try:
+        # more retries than the default (5, 0.5 s: at least ~8 s in all) leave room for
+        # a slow restart on a loaded machine; the rule under test is the same
+        with CheckpointClient(svc.url, retries=8, backoff=0.25) as client:
+            client.save("restart", 1, {"w": torch.arange(4.0)})
+            svc.stop()
+            t0 = time.monotonic()
+            result: list[object] = []
+            call = threading.Thread(target=lambda: result.append(client.list("restart")))
+            with caplog.at_level("WARNING", logger="ckptstore"):
+                call.start()
+                wait_until(
+                    lambda: time.monotonic() - t0 > FIRST_CONTACT_S + 0.5 and retries(caplog),
+                    timeout=30,
+                    what="the call retried past the first-contact grace",
+                )
+                assert call.is_alive(), f"the call ended: {result}"
+                svc.start()
+                call.join(60)
+            assert [c.step for c in result[0]] == [1]  # type: ignore[attr-defined]
+    finally:
+        svc.stop()
+
+
+def retries(caplog: pytest.LogCaptureFixture) -> int:
+    return sum("retrying" in r.getMessage() for r in caplog.records)
 
 
 def test_a_keep_alive_connection_the_service_closed_is_not_reused(

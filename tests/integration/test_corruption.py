@@ -93,3 +93,51 @@ def test_a_damaged_base_cache_is_refused(
         _flip(cached, 1000)
         with pytest.raises(CorruptData, match="does not match its checksum"):
             client.load("run")
+
+
+@pytest.fixture
+def saved_big(make_service: Callable[..., Service], tmp_path: Path) -> Path:
+    """A data folder holding one keyframe of 4.5 MiB in 64 KiB chunks, a byte flipped at
+    3/4 of its blob: a chunk decoded well after the response has started."""
+    g = torch.Generator().manual_seed(5)
+    state = {"w": torch.randn(1024, 1024, generator=g), "b": torch.randn(512, 256, generator=g)}
+    data_dir = tmp_path / "data"
+    svc = make_service(ENV, data_dir)
+    with CheckpointClient(svc.url) as client:
+        client.save("big", 0, state)
+    svc.stop()
+    (blob,) = (data_dir / "blobs").rglob("*.blob")
+    _flip(blob, blob.stat().st_size * 3 // 4)
+    return data_dir
+
+
+def test_corruption_found_mid_stream_is_corrupt_data(
+    make_service: Callable[..., Service],
+    saved_big: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A chunk that fails its checksum after the response has started: the client raises
+    CorruptData at once (no retry), not the ServiceUnavailable of a service that failed
+    while sending; the same for a DCP-style select and a pull to a file. The service
+    completes the tensor it was sending (with filler that fails the checksum the response
+    carries for it), then cuts the response."""
+    from ckptstore import parts
+    from ckptstore.files import pull_file, temporary_path
+
+    svc = make_service(ENV, saved_big)  # a fresh process: no base cache
+    with (
+        CheckpointClient(svc.url, retries=2, backoff=0.05) as client,
+        caplog.at_level("WARNING", logger="ckptstore"),
+    ):
+        with pytest.raises(CorruptData, match="checksum"):
+            client.load("big", 0)
+        with pytest.raises(CorruptData, match="checksum"):
+            parts.select(client, "big", 0, ["w", "b"], lambda spec, data: None)
+        out = tmp_path / "big.safetensors"
+        with pytest.raises(CorruptData, match="checksum"):
+            pull_file(client, "big", 0, out)
+        assert not out.exists() and not temporary_path(out).exists()
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]
+    log = svc.log.read_text()
+    assert "does not match" in log or "checksum" in log, log[-2000:]

@@ -356,7 +356,7 @@ def test_loads_and_listings_run_beside_an_upload_in_flight(
     client.save("beside", 1, small)
     # hold the background POST half sent, its connection taken
     started, release = threading.Event(), threading.Event()
-    post = client._post
+    post = client.transport.post
 
     def paused_post(path: str, body: Iterator[Any], length: int, sent: Any) -> Any:
         def paused() -> Iterator[Any]:
@@ -368,7 +368,7 @@ def test_loads_and_listings_run_beside_an_upload_in_flight(
 
         return post(path, paused(), length, sent)
 
-    monkeypatch.setattr(client, "_post", paused_post)
+    monkeypatch.setattr(client.transport, "post", paused_post)
     trainer = trained()
     expected = copy.deepcopy(trainer.state())
     future = client.save_async("beside", 2, trainer.state())

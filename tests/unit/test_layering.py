@@ -59,3 +59,50 @@ def test_the_service_image_copies_every_package_of_the_wheel() -> None:
     for package in packages:
         top = package.split("/")[0]
         assert f"COPY {top} ./{top}" in dockerfile, top
+
+
+#: The client's modules, bottom up: each imports (at the top or lazily) only modules of
+#: lower rows, and no private (``_x``) name of another module (docs/client.md#transport).
+CLIENT_LAYERS = [
+    {"transport", "state", "direct"},
+    {"staging", "files", "tokens", "dcp_metadata"},
+    {"parts"},
+    {"client"},
+    {"dcp"},
+    {"cli", "integrations.lightning", "integrations.transformers", "integrations", "__init__"},
+]
+
+
+def _client_imports(path: Path) -> list[tuple[str, str]]:
+    """``(module, name)`` of every ``from ckptstore[.module] import name`` in ``path``."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            top, _, rest = node.module.partition(".")
+            if top != "ckptstore":
+                continue
+            for alias in node.names:
+                found.append((rest or alias.name, alias.name))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                top, _, rest = alias.name.partition(".")
+                if top == "ckptstore" and rest:
+                    found.append((rest, ""))
+    return found
+
+
+def test_client_modules_form_layers() -> None:
+    layer = {name: i for i, names in enumerate(CLIENT_LAYERS) for name in names}
+    package = ROOT / "client/ckptstore"
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+        assert module in layer, f"{module}: add it to CLIENT_LAYERS"
+        for imported, name in _client_imports(path):
+            assert imported in layer, f"{module} imports ckptstore.{imported}: not a module?"
+            assert layer[imported] < layer[module] or module == "__init__", (
+                f"{module} (layer {layer[module]}) imports {imported} (layer {layer[imported]})"
+            )
+            assert not name.startswith("_"), f"{module} imports private {imported}.{name}"
