@@ -345,9 +345,9 @@ class _NoCheckpoint(dict[str, Any]):
     of its ``restore_*`` steps then returns at once. Tested under a real ``fit``."""
 
     def __init__(self) -> None:
-        import pytorch_lightning
+        from importlib.metadata import version
 
-        super().__init__({"pytorch-lightning_version": pytorch_lightning.__version__})
+        super().__init__({"pytorch-lightning_version": version("pytorch-lightning")})
 
     def __bool__(self) -> bool:
         return False
