@@ -1,6 +1,10 @@
 # The two set-up commands of the README: `make serve` and `make test`.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+BIN    := $(abspath $(VENV))/bin
+# the service's install (the `server` extra: no torch, no dev tools) ...
+SERVE_STAMP := $(VENV)/.serve-stamp
+# ... and everything: torch, the backends' drivers, the dev and test tools
 STAMP  := $(VENV)/.installed-stamp
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
@@ -8,17 +12,26 @@ DATA   ?= ./ckptstore-data
 
 .PHONY: setup serve test test-fast lint bench clean
 
-# torch is installed first, pinned: an unpinned torch pulls gigabytes of CUDA packages.
+$(SERVE_STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[server]'
+	touch $(SERVE_STAMP)
+
+# torch is installed first, pinned: an unpinned torch (pulled by Lightning, transformers)
+# brings gigabytes of CUDA packages.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[server,s3,postgres,dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(SERVE_STAMP)
 
 setup: $(STAMP)
 
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
+	@echo "ckptstore and ckptstore-service are in $(BIN) (export PATH=\"$(BIN):\$$PATH\")"
+	@echo "tokens (required when HOST is not loopback): CKPTSTORE_DATA_DIR=$(DATA) $(BIN)/ckptstore-service token create NAME --scope admin"
 	$(VENV)/bin/ckptstore-service serve --host $(HOST) --port $(PORT) --data-dir $(DATA)
 
 lint: $(STAMP)

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -107,8 +108,18 @@ def _human(n: int) -> str:
 
 
 def _ratio(raw: int, stored: int) -> str:
-    """How many times smaller than raw the stored bytes are, as the tables print it."""
+    """How many times smaller than raw the stored bytes are, as the tables print it: ``-``
+    for nothing saved (an empty checkpoint, a run without any), ``inf`` for bytes that
+    cost nothing (all shared with other checkpoints)."""
+    if not raw:
+        return "-"
     return f"{raw / stored:.2f}x" if stored else "inf"
+
+
+def _width(header: str, cells: Sequence[object]) -> int:
+    """A column's width: its header's or its widest cell's (a step of 12 digits, a run
+    name of 40 characters)."""
+    return max([len(header), *(len(str(cell)) for cell in cells)])
 
 
 def _print_json(obj: Any) -> None:
@@ -121,13 +132,27 @@ def _runs(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"runs": [r.to_json() for r in runs]})
         return 0
-    print(f"{'run':<32} {'ckpts':>6} {'latest':>10} {'raw':>12} {'stored':>12} {'ratio':>7}")
+    name = max(32, _width("run", [r.name for r in runs]))
+    latest = max(10, _width("latest", [r.latest_step for r in runs]))
+    print(
+        f"{'run':<{name}} {'ckpts':>6} {'latest':>{latest}} {'raw':>12} {'stored':>12} {'ratio':>7}"
+    )
     for r in runs:
         print(
-            f"{r.name:<32} {r.checkpoints:>6} {r.latest_step:>10} {_human(r.raw_bytes):>12} "
-            f"{_human(r.stored_bytes):>12} {_ratio(r.raw_bytes, r.stored_bytes):>7}"
+            f"{r.name:<{name}} {r.checkpoints:>6} {r.latest_step:>{latest}} "
+            f"{_human(r.raw_bytes):>12} {_human(r.stored_bytes):>12} "
+            f"{_ratio(r.raw_bytes, r.stored_bytes):>7}"
         )
     return 0
+
+
+#: What ``ls``'s chain columns mean, printed under its table (docs/cli.md#ls).
+_LS_LEGEND = """\
+parent  the checkpoint its deltas were taken against; -: none in this run (its first save,
+        a fork's first checkpoint, a parent since deleted, its deltas re-based)
+key     K: a keyframe, which holds no deltas (it loads without any other checkpoint)
+depth   the longest delta chain a load decodes, whatever the parent column says
+pin     P: pinned (no delete takes it)"""
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -136,18 +161,22 @@ def _ls(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"run": args.run, "checkpoints": [c.to_json() for c in checkpoints]})
         return 0
+    steps = max(10, _width("step", [c.step for c in checkpoints]))
     print(
-        f"{'step':>10} {'parent':>10} {'key':>4} {'depth':>5} {'raw':>12} {'stored':>12} "
-        f"{'ratio':>9} {'pin':>4}  lossy"
+        f"{'step':>{steps}} {'parent':>{steps}} {'key':>4} {'depth':>5} {'raw':>12} "
+        f"{'stored':>12} {'ratio':>9} {'pin':>4}  lossy"
     )
     for c in checkpoints:
         parent = "-" if c.parent_step is None else str(c.parent_step)
         print(
-            f"{c.step:>10} {parent:>10} {'K' if c.keyframe else '':>4} {c.chain_depth:>5} "
-            f"{_human(c.raw_bytes):>12} {_human(c.stored_bytes):>12} "
+            f"{c.step:>{steps}} {parent:>{steps}} {'K' if c.keyframe else '':>4} "
+            f"{c.chain_depth:>5} {_human(c.raw_bytes):>12} {_human(c.stored_bytes):>12} "
             f"{_ratio(c.raw_bytes, c.stored_bytes):>9} {'P' if c.pinned else '':>4}  "
             f"{_lossy(c.lossy)}"
         )
+    legend = sys.stdout.isatty() if args.legend is None else args.legend
+    if checkpoints and legend:
+        print(f"\n{_LS_LEGEND}")
     return 0
 
 
@@ -220,11 +249,14 @@ def _du(args: argparse.Namespace) -> int:
         else:
             _print_json({"runs": listed, "total": {"runs": len(records), **total}})
         return 0
-    print(f"{'step' if args.run else 'run':<32} {'raw':>12} {'stored':>12} {'ratio':>7}")
     what = f"{count} checkpoints" if args.run else f"{len(records)} runs, {count} checkpoints"
-    for label, row_raw, row_stored in [*rows, (f"total ({what})", raw, stored)]:
+    table = [*rows, (f"total ({what})", raw, stored)]
+    label_header = "step" if args.run else "run"
+    width = max(32, _width(label_header, [row[0] for row in table]))
+    print(f"{label_header:<{width}} {'raw':>12} {'stored':>12} {'ratio':>7}")
+    for label, row_raw, row_stored in table:
         print(
-            f"{label:<32} {_human(row_raw):>12} {_human(row_stored):>12} "
+            f"{label:<{width}} {_human(row_raw):>12} {_human(row_stored):>12} "
             f"{_ratio(row_raw, row_stored):>7}"
         )
     return 0
@@ -250,7 +282,7 @@ def _pull_torch(
     client: CheckpointClient, run: str, step: int | str, path: Path, progress: bool
 ) -> int:
     """``torch.save`` of ``client.load`` to ``path`` (through ``FILE.tmp``); the step saved."""
-    import torch
+    torch = _torch(f"writing {path.name} (torch.save)", "pull to FILE.safetensors")
 
     from ckptstore.files import temporary_path
 
@@ -272,15 +304,24 @@ def _push(args: argparse.Namespace) -> int:
     (``weights_only``: no arbitrary pickles) of a ``.pt`` file saved as its state dict."""
     path: Path = args.file
     with _client(args) as client:
-        if path.suffix in _SAFETENSORS:
+        state = None if path.suffix in _SAFETENSORS else _load_torch(path, args.unsafe_load)
+        held = _holds(client, args.run, args.step)
+        if state is None:
             from ckptstore.files import push_file
 
             info = push_file(client, path, args.run, args.step, progress=_progress(args))
         else:
-            state = _load_torch(path)
-            info = client.save(args.run, args.step, state, progress=_progress(args))
+            try:
+                info = client.save(args.run, args.step, state, progress=_progress(args))
+            except TypeError as exc:  # a value the format cannot hold (unsafe-loaded objects)
+                raise _UserError(f"{path}: {exc}") from exc
     if args.json:
         _print_json(info.to_json())
+    elif held:  # the service took it as a retry of the same save: 200, nothing written
+        print(
+            f"{info.run}@{info.step} already holds exactly this content ({info.tensors} "
+            f"tensors, raw {_human(info.raw_bytes)}): nothing stored again"
+        )
     else:
         print(
             f"pushed {path} to {info.run}@{info.step}: {info.tensors} tensors, raw "
@@ -289,16 +330,70 @@ def _push(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_torch(path: Path) -> Any:
+def _holds(client: CheckpointClient, run: str, step: int) -> bool:
+    """Whether ``run`` has committed ``step`` already (a push of other content is then
+    refused with 409; of the same content it is a 200 that stores nothing)."""
+    from ckptstore_core.errors import RunNotFound
+
+    try:
+        return any(c.step == step for c in client.list(run))
+    except RunNotFound:
+        return False
+
+
+def _torch(doing: str, instead: str) -> Any:
+    """torch, imported; else one line saying what needs it and what works without it."""
+    try:
+        import torch
+    except ImportError:
+        raise _UserError(
+            f"{doing} needs torch, which is not installed here (pip install torch); "
+            f"without it: {instead}"
+        ) from None
+    return torch
+
+
+# what torch's weights_only refusal says about a class it would not build
+_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+_ESCAPES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _load_torch(path: Path, unsafe: bool) -> Any:
+    """The state dict in ``path``, by ``torch.load(weights_only=True)``: tensors, containers
+    and plain values only, no code run. A pickle of anything else is refused in one line
+    naming the class and the ways out; ``unsafe`` (``--unsafe-load``) loads it with
+    ``weights_only=False``, which runs whatever code the file holds."""
     import pickle
 
-    import torch
-
+    torch = _torch(f"reading {path.name} (torch.load)", "push a .safetensors file")
+    if unsafe:
+        return torch.load(path, map_location="cpu", weights_only=False)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:  # what weights_only refuses: one line, not pages
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise _UserError(f"{path}: torch.load(weights_only=True) refused it: {first}") from exc
+        raise _UserError(_refused(path, str(exc))) from exc
+
+
+def _refused(path: Path, message: str) -> str:
+    """torch's weights_only refusal, for a person: the class it would not build (torch's
+    message is a page with terminal escape codes) and what to do."""
+    found = _GLOBAL.search(message)
+    if found is None:
+        lines = [line.strip() for line in _ESCAPES.sub("", message).splitlines() if line.strip()]
+        detail = next(
+            (ln for ln in lines if "WeightsUnpickler error" in ln), lines[0] if lines else ""
+        )
+        what = f"torch.load(weights_only=True) refused it ({detail})"
+    else:
+        what = (
+            f"it holds a pickled {found.group(1)}, which torch.load(weights_only=True) "
+            "will not build"
+        )
+    return (
+        f"{path}: {what}. Push the tensors only: save them as a state dict of tensors and "
+        f"plain values, or as .safetensors; or, if you trust the file, --unsafe-load (runs "
+        f"the code it holds; the values must still be tensors, containers and plain values)"
+    )
 
 
 def _rm(args: argparse.Namespace) -> int:
@@ -419,18 +514,27 @@ def _checkpoint_file(text: str) -> Path:
     return path
 
 
-def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
+def _connection_options(parser: argparse.ArgumentParser, *, given_only: bool) -> None:
+    """``--url`` and ``--retries``, taken before the command (``ckptstore --url U runs``) and
+    after it; ``given_only``: the command's copy sets them only when given, so that it does
+    not reset what came before the command."""
+    extra: dict[str, Any] = {"default": argparse.SUPPRESS} if given_only else {}
+    parser.add_argument(
         "--url",
         help="service URL (default: $CKPTSTORE_URL, else http://127.0.0.1:8000)",
+        **extra,
     )
-    common.add_argument(
+    parser.add_argument(
         "--retries",
         type=int,
-        default=_RETRIES,
         help=f"retries when the service cannot be reached or answers 503 (default {_RETRIES})",
+        **(extra or {"default": _RETRIES}),
     )
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    _connection_options(common, given_only=True)
     json_opt = argparse.ArgumentParser(add_help=False)
     json_opt.add_argument("--json", action="store_true", help="machine-readable output")
     progress = argparse.ArgumentParser(add_help=False)
@@ -449,6 +553,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="exit status: 0 done, 1 an error (the service's, an unreachable service, a bad "
         "file), 2 a usage error, 130 interrupted. Reference: docs/cli.md",
     )
+    _connection_options(parser, given_only=False)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("runs", parents=[common, json_opt], help="list runs")
@@ -456,6 +561,10 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ls", parents=[common, json_opt], help="list a run's checkpoints")
     p.add_argument("run", metavar="RUN")
+    p.add_argument(
+        "--legend", action=argparse.BooleanOptionalAction, default=None,
+        help="what the chain columns mean, under the table (default: when stdout is a terminal)",
+    )  # fmt: skip
     p.set_defaults(func=_ls)
 
     p = sub.add_parser(
@@ -485,6 +594,11 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("run", metavar="RUN")
     p.add_argument("step", metavar="STEP", type=_step, help="a non-negative integer")
+    p.add_argument(
+        "--unsafe-load", action="store_true",
+        help="FILE.pt with torch.load(weights_only=False): runs any code the pickle holds; "
+        "only for a file you trust (the values must still be tensors, containers, plain values)",
+    )  # fmt: skip
     p.set_defaults(func=_push)
 
     p = sub.add_parser(
@@ -558,7 +672,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         with _retries_on_stderr():
-            return int(args.func(args))
+            code = int(args.func(args))
+            sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+            return code
+    except BrokenPipeError:  # `ckptstore ... --json | head`: the reader has had enough
+        _drop_stdout()
+        return 0
     except KeyboardInterrupt:
         print("ckptstore: interrupted", file=sys.stderr)
         return 130
@@ -571,11 +690,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
 
 
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null: the interpreter's flush at exit would fail on the closed
+    pipe again and print "Exception ignored ... BrokenPipeError"."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def _one_line(exc: Exception) -> str:
     """The error for a person: a file error names its file and says what went wrong."""
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         return f"{exc.filename}: {exc.strerror.lower()}"
-    return str(exc)
+    return _ESCAPES.sub("", str(exc))
 
 
 if __name__ == "__main__":

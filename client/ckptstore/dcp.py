@@ -44,14 +44,19 @@ writer to another process; the writer's staging buffers stay behind).
     next save reuses (:class:`ckptstore.staging.StagingBuffers`), and deep-copies every other
     leaf, before ``async_save`` returns. A save's buffers are reused only once nothing holds
     them any more (its upload is done and dropped); otherwise the next save stages into
-    fresh ones. So wait for a save before starting the next (DCP wants that anyway: two
+    fresh ones. The thread executor on the default process group is refused
+    (:func:`_refuse_the_default_group`): its collectives would interleave with training's.
+    So wait for a save before starting the next (DCP wants that anyway: two
     saves in flight interleave their collectives) and steady-state saves allocate nothing.
 
     With ``CkptStoreWriter(..., async_staging=True)`` the copy runs in a thread of the
     writer's instead: ``async_save`` returns at once with an ``AsyncSaveResponse``, and the
     copy overlaps the next step's forward and backward passes, which only read the state::
 
-        response = dcp.async_save(state, storage_writer=writer, checkpoint_id=step)
+        group = dist.new_group(backend="gloo")   # once: the upload's collectives
+        ...
+        response = dcp.async_save(state, storage_writer=writer, checkpoint_id=step,
+                                  process_group=group)
         loss = model(batch).loss; loss.backward()
         response.staging_completion.result()    # before the weights and moments change
         optimizer.step()
@@ -65,6 +70,7 @@ import io
 import math
 import os
 import re
+import sys
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future as ConcurrentFuture
@@ -311,7 +317,12 @@ class CkptStoreWriter(StorageWriter, AsyncStager):
         the training loop may run its next forward and backward passes (which only read the
         weights) but must wait for ``response.staging_completion`` before
         ``optimizer.step()`` changes them. The copy then overlaps the next step's compute
-        instead of stalling it."""
+        instead of stalling it.
+
+        Refuses (``ValueError``, before anything is copied or sent) ``async_save``'s
+        thread executor on the default process group: see :func:`_refuse_the_default_group`.
+        """
+        _refuse_the_default_group()
         if not self.async_staging:
             return self._staged(state_dict)
         if self._copier is None:
@@ -513,6 +524,43 @@ class CkptStoreWriter(StorageWriter, AsyncStager):
             if self.metadata is not None:
                 stored[USER_METADATA_KEY] = self.metadata
             parts.commit(client, self.run, self.step, names, stored)
+
+
+_SAVER = "torch.distributed.checkpoint.state_dict_saver"
+
+
+def _refuse_the_default_group() -> None:
+    """Raise ``ValueError`` when the ``dcp.async_save`` calling the writer's :meth:`stage`
+    runs its upload in a thread (the default executor) on the default process group.
+
+    The upload's collectives (plans gathered, results gathered, the commit's broadcast) then
+    run on the group training's collectives use, from another thread: the two interleave,
+    and gloo aborts (``Received data size doesn't match``) or the ranks wait on each other
+    for good. A group of its own (``dist.new_group(backend="gloo")``) or the process executor
+    (whose process makes its own group) keeps them apart. ``async_save``'s arguments are
+    read from its frame; when no ``async_save`` of torch's calls (a later torch that moved
+    it, ``stage`` called directly), nothing is checked."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "async_save" and frame.f_globals.get("__name__") == _SAVER:
+            break
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    args = frame.f_locals
+    kind = args.get("async_checkpointer_type")
+    if getattr(kind, "value", kind) != "thread" or args.get("no_dist"):
+        return
+    group = args.get("process_group")
+    if group is not None and group != dist.group.WORLD:
+        return
+    raise ValueError(
+        "dcp.async_save(storage_writer=CkptStoreWriter(...)) on the default process group: "
+        "the save's collectives would run in the upload thread beside training's on the same "
+        "group, and the ranks abort or hang. Make a group for checkpoints once, on every rank, "
+        'and pass it: process_group=dist.new_group(backend="gloo") '
+        "(or async_checkpointer_type=AsyncCheckpointerType.PROCESS)"
+    )
 
 
 def _is_sharded_tensor(node: object) -> bool:

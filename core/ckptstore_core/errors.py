@@ -20,6 +20,8 @@ the same class, so ``except CheckpointNotFound`` works on both sides of the wire
     │                                                     the request now (retry later)
     ├── CheckpointPinned          409 checkpoint_pinned a delete of a pinned checkpoint
     │                                                     (unpin it first)
+    ├── RequestTimeout            408 request_timeout   an upload's body stalled or crawled
+    │                                                     past the limits (retry)
     ├── PayloadTooLarge           413 payload_too_large header or body over the limits
     ├── CorruptData               500 corrupt_data      checksum mismatch on read
     ├── InternalError             500 internal_error    a bug: anything not translated

@@ -82,6 +82,16 @@ _FOREIGN_FORMATS: Sequence[tuple[bytes, str]] = (
     (b"\x28\xb5\x2f\xfd", "a zstd-compressed file"),
     (b"\x93NUMPY", "a NumPy .npy file"),
 )
+# A multipart/form-data body (``curl -F file=@x.safetensors``, an HTML form) starts with
+# ``--`` and its boundary (RFC 2046: letters, digits and ``'()+_,-./:=?`` and space): 8 such
+# bytes read as a length are over 2**61, so a stream that starts so has failed already.
+_BOUNDARY_CHARS = frozenset(
+    b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ'()+_,-./:=? "
+)
+_MULTIPART = (
+    "a multipart form upload (as curl -F or an HTML form sends): send the file itself as the "
+    "raw body instead (curl --data-binary @model.safetensors)"
+)
 _EXPECTED = (
     "ckptstore takes safetensors streams (a u64 little-endian header length, a JSON header, "
     "tensor bytes), such as CheckpointClient.save sends"
@@ -166,12 +176,13 @@ def _as_int(value: object, what: str) -> int:
 
 def _foreign_format(start: bytes) -> InvalidStream | None:
     """The error for a body that starts like another format's file, if it does."""
-    for magic, what in _FOREIGN_FORMATS:
-        if start.startswith(magic):
-            return InvalidStream(
-                f"the body is not a safetensors stream: it looks like {what}; {_EXPECTED}"
-            )
-    return None
+    if start.startswith(b"--") and len(start) >= 8 and _BOUNDARY_CHARS.issuperset(start[:8]):
+        what = _MULTIPART
+    else:
+        what = next((what for magic, what in _FOREIGN_FORMATS if start.startswith(magic)), "")
+    if not what:
+        return None
+    return InvalidStream(f"the body is not a safetensors stream: it looks like {what}; {_EXPECTED}")
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:

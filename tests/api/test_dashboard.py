@@ -32,7 +32,13 @@ from starlette.testclient import TestClient
 from ckptstore import CheckpointClient
 from ckptstore import parts as client_parts
 from ckptstore_core.records import USER_METADATA_KEY, encode_user_metadata
-from ckptstore_service.api.dashboard import MAX_CHART_POINTS, bytes_chart, human_bytes, ratio
+from ckptstore_service.api.dashboard import (
+    CHAIN_LEGEND,
+    MAX_CHART_POINTS,
+    bytes_chart,
+    human_bytes,
+    ratio,
+)
 from ckptstore_service.app import create_app
 from ckptstore_service.catalog import CheckpointRecord
 from ckptstore_service.settings import Settings
@@ -130,6 +136,25 @@ def test_an_unknown_run_is_a_404_page(http: httpx.Client) -> None:
     assert "no-such-run" in page and 'href="/ui"' in page
 
 
+def test_the_chain_columns_are_explained(http: httpx.Client) -> None:
+    """Under the chain table and as the headers' tooltips, as ``ckptstore ls`` does."""
+    page = get_html(http, f"/ui/runs/{DELTA_RUN}")
+    assert 'class="chain-legend' in page
+    for name, text in CHAIN_LEGEND.items():
+        assert f"<b>{name}</b>: {html.escape(text)}" in page
+        assert f'title="{html.escape(text, quote=True)}">{name}</th>' in page
+    assert " MiB" in page or " KiB" in page  # binary units, as the CLI prints them
+    assert " kB" not in page and " MB" not in page
+
+
+def test_no_sign_out_button_without_the_cookie(http: httpx.Client) -> None:
+    """An open service (no sign-in): nothing to sign out of; the pages' tables scroll in
+    a box of their own on a narrow screen."""
+    page = get_html(http, "/ui")
+    assert 'id="sign-out"' not in page
+    assert '<div class="scroll"><table id="runs">' in page and "@media (max-width:600px)" in page
+
+
 def test_the_pages_are_not_in_the_openapi_document(http: httpx.Client) -> None:
     paths = http.get("/openapi.json").json()["paths"]
     assert "/v1/runs" in paths
@@ -189,11 +214,12 @@ def test_the_chart_marks_each_checkpoint_up_to_its_cap(n: int) -> None:
     [
         (0, "0 B"),
         (999, "999 B"),
-        (1000, "1 kB"),
-        (1234, "1.23 kB"),
-        (999_999, "1 MB"),
-        (123_456_789, "123 MB"),
-        (5 * 10**15, "5000 TB"),
+        (1000, "0.977 KiB"),
+        (1024, "1 KiB"),
+        (1234, "1.21 KiB"),
+        (1023 * 1024 + 1000, "1 MiB"),
+        (123_456_789, "118 MiB"),
+        (5 * 2**50, "5120 TiB"),
     ],
 )
 def test_human_bytes(n: int, shown: str) -> None:
@@ -291,3 +317,14 @@ def test_the_browser_shows_the_api_figures(
     assert cells(row)[4] == "2"  # parts
     assert row.locator('li[data-key="eval_loss"] .val').inner_text() == "1.875"
     assert row.locator('li[data-key="note"] .val').inner_text() == HOSTILE
+
+
+def test_the_pages_fit_a_420_pixel_screen(http: httpx.Client, browser_page: Any) -> None:
+    """A phone-sized window: the page itself never scrolls sideways (the tables do, in
+    their box)."""
+    page = browser_page
+    page.set_viewport_size({"width": 420, "height": 800})
+    for path in ("/ui", f"/ui/runs/{DELTA_RUN}", f"/ui/runs/{PARTS_RUN}"):
+        page.goto(f"{http.base_url}{path}")
+        width = page.evaluate("document.documentElement.scrollWidth")
+        assert width <= 420, (path, width)

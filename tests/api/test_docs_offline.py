@@ -65,3 +65,23 @@ def test_swagger_ui_asks_no_online_validator(tmp_path: Path) -> None:
     """Swagger UI's default validatorUrl would fetch a badge from swagger.io."""
     html, _ = fetch_page_and_references(tmp_path, "/docs")
     assert '"validatorUrl": null' in html
+
+
+def test_redoc_may_load_no_image_from_outside(tmp_path: Path) -> None:
+    """ReDoc's bundle shows Redocly's logo from cdn.redoc.ly in its side bar, whatever the
+    page says: the page's Content-Security-Policy keeps images to the service, so the
+    browser never asks the CDN (the logo's own error handler hides it)."""
+    from fastapi_offline import core
+
+    bundle = Path(core.__file__).parent / "static" / "redoc.standalone.js"
+    assert "https://cdn.redoc.ly/redoc/logo-mini.svg" in bundle.read_text()  # why
+
+    async def fetch() -> httpx.Response:
+        app = create_app(Settings(data_dir=tmp_path))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://ckptstore") as client:
+            return await client.get("/redoc")
+
+    response = asyncio.run(fetch())
+    assert response.status_code == 200
+    assert response.headers["content-security-policy"] == "img-src 'self' data:"

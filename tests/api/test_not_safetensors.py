@@ -73,3 +73,20 @@ def test_a_genuine_header_over_the_limit_is_still_413(http: httpx.Client) -> Non
     response = http.post("/v1/runs/long-header/checkpoints/1", content=body)
     assert response.status_code == 413, response.text
     assert response.json()["error"]["code"] == "payload_too_large"
+
+
+def test_a_multipart_form_says_to_send_the_raw_body(service: Service, http: httpx.Client) -> None:
+    """``curl -F file=@model.safetensors``: a multipart/form-data body (httpx builds the same
+    here) around a valid stream. It answered 413 "header length 3255307777713450285"."""
+    from ckptstore_core.wire import encode_header
+
+    stream, _ = encode_header([], {"format": "ckptstore/1", "skeleton": '{"v": 1, "root": {}}'})
+    response = http.post(
+        "/v1/runs/multipart/checkpoints/1", files={"file": ("model.safetensors", stream)}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_stream", error
+    assert "multipart form upload" in error["message"]
+    assert "--data-binary @model.safetensors" in error["message"]
+    assert "multipart" not in [r["name"] for r in http.get("/v1/runs").json()["runs"]]

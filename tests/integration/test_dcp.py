@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptstore import CheckpointClient, CheckpointExists
+from ckptstore import CheckpointClient, CheckpointExists, RunNotFound
 from ckptstore.dcp import (
     METADATA_KEY,
     CkptStoreReader,
@@ -248,6 +248,41 @@ def test_async_save_lands_loadable_checkpoints(
             assert_same_state(expected, client.load(run, step), path=f"step {step}")
     stalls = json.loads((tmp_path / "stalls.json").read_text())
     print(f"dcp.async_save ({executor} executor) returned after {stalls} s")
+
+
+@pytest.mark.timeout(240)
+def test_async_save_on_the_default_group_is_refused_at_once(
+    make_service: Any, tmp_path: Path
+) -> None:
+    """dcp.async_save on the default process group while training's collectives run on it:
+    the two threads' collectives interleave on one group, which hung (or aborted) the ranks.
+    The writer refuses it in async_save itself, naming the group to pass; no checkpoint."""
+    service = make_service()
+    dcp_ranks.launch(
+        dcp_ranks.async_beside_training, 2, service.url, "shared-group", str(tmp_path), False
+    )
+    for rank in (0, 1):
+        message = (tmp_path / f"refused-{rank}.txt").read_text()
+        assert 'process_group=dist.new_group(backend="gloo")' in message
+    with CheckpointClient(service.url) as client, pytest.raises(RunNotFound):
+        client.list("shared-group")
+
+
+@pytest.mark.timeout(240)
+def test_async_save_on_its_own_group_runs_beside_training(
+    make_service: Any, tmp_path: Path
+) -> None:
+    """The same with process_group=dist.new_group(backend="gloo"): training steps run
+    while the upload does, and the checkpoint is the state at the call, bit for bit."""
+    service = make_service()
+    dcp_ranks.launch(
+        dcp_ranks.async_beside_training, 2, service.url, "own-group", str(tmp_path), True
+    )
+    trained = [json.loads((tmp_path / f"trained-{rank}.json").read_text()) for rank in (0, 1)]
+    assert trained[0] == trained[1] >= 1
+    with CheckpointClient(service.url) as client:
+        expected = _plain(_full(tmp_path / "full-1.pt"))
+        assert_same_state(expected, client.load("own-group", 1))
 
 
 def test_one_process_without_a_process_group(service: Service) -> None:

@@ -214,6 +214,34 @@ def test_resume_from_the_service_matches_an_uninterrupted_run(
         assert [c.step for c in client.list("lit-resume")] == [4, 8]
 
 
+def test_one_script_starts_and_resumes_with_missing_ok(
+    service: Service, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``fit(ckpt_path=io.checkpoint_path())`` on a run with nothing saved: without
+    ``missing_ok`` a FileNotFoundError that says how to start fresh; with it the fit starts
+    at step 0 (a warning says so), and the same call in the next job resumes."""
+    io = CkptStoreCheckpointIO(service.url, "lit-new-run")
+    with pytest.raises(FileNotFoundError, match="missing_ok=True"):
+        trainer(tmp_path / "refused", 1, [io], []).fit(
+            model(0), data(), ckpt_path=io.checkpoint_path()
+        )
+    with pytest.raises(FileNotFoundError):  # an explicit step is never "start fresh"
+        CkptStoreCheckpointIO(service.url, "lit-new-run", missing_ok=True).load_checkpoint(
+            "ckptstore://lit-new-run/4"
+        )
+
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    for job, expected in ((1, [0, 1, 2, 3]), (2, [4, 5, 6, 7])):
+        module = model(job)
+        io = CkptStoreCheckpointIO(service.url, "lit-new-run", missing_ok=True)
+        fit = trainer(tmp_path / "job", job, [io], [ModelCheckpoint(every_n_epochs=1)])
+        fit.fit(module, data(), ckpt_path=io.checkpoint_path())
+        assert module.steps_trained == expected
+    assert len(messages(caplog, "starting fresh")) == 1
+    with CheckpointClient(service.url) as client:
+        assert [c.step for c in client.list("lit-new-run")] == [4, 8]
+
+
 def small_checkpoint(step: int, last_model_path: str) -> dict[str, Any]:
     return {
         "epoch": 0,

@@ -311,6 +311,44 @@ def async_run(
     dist.destroy_process_group()
 
 
+def async_beside_training(
+    rank: int, world: int, port: int, url: str, run: str, out: str, dedicated: bool
+) -> None:
+    """One dcp.async_save (thread executor) of step 1, then training goes on beside the
+    upload, step after step (FSDP's collectives on the default group), until every rank's
+    save is done (an all_reduce of the ranks' "done" flags after each step). ``dedicated``:
+    the save on a gloo group of its own; else on the default group, which the writer must
+    refuse at once (its message goes to refused-{rank}.txt). Collectives give up after
+    30 s: a hang fails the rank instead of blocking the test. Rank 0 keeps the full state
+    saved (full-1.pt)."""
+    init(rank, world, port, timeout_s=30)
+    model, opt = build()
+    group = dist.new_group(backend="gloo") if dedicated else None
+    train_step(model, opt, 1)
+    full = gathered(model, opt)
+    if rank == 0:
+        torch.save(full, Path(out) / "full-1.pt")
+    writer = CkptStoreWriter(url, run)
+    try:
+        future = dcp.async_save(
+            sharded(model, opt), storage_writer=writer, checkpoint_id=1, process_group=group
+        )
+    except ValueError as exc:
+        Path(out, f"refused-{rank}.txt").write_text(str(exc))
+        dist.destroy_process_group()
+        return
+    step, done = 1, torch.zeros(1)
+    while not done.item():
+        step += 1
+        train_step(model, opt, step)
+        done = torch.tensor([float(future.done())])  # type: ignore[union-attr]
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+    future.result()  # type: ignore[union-attr]
+    Path(out, f"trained-{rank}.json").write_text(json.dumps(step - 1))
+    writer.close()
+    dist.destroy_process_group()
+
+
 class _MidPartPlanner(DefaultSavePlanner):
     """Calls ``at_second()`` before resolving the second tensor it is asked for: mid-way
     through the part's body (the writer resolves tensors while streaming them, so the

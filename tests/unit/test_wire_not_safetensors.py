@@ -26,6 +26,15 @@ TORCH_ZIP = b"PK\x03\x04\x00\x00\x08\x08\x00\x00\x00\x00\x00\x00\x00\x00"
 TORCH_LEGACY = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19.\x80"
 
 
+# the start of what ``curl -F file=@model.safetensors URL`` sends (curl 8: 24 dashes and 16
+# hex digits as the boundary, after the body's "--")
+MULTIPART = (
+    b"--------------------------d74496d66958873e\r\n"
+    b'Content-Disposition: form-data; name="file"; filename="model.safetensors"\r\n'
+    b"Content-Type: application/octet-stream\r\n\r\n" + struct.pack("<Q", 2) + b"{}"
+)
+
+
 def _error(body: bytes, *, limit: int = LIMIT, piece: int = 1 << 20) -> Exception:
     parser = StreamParser(max_header_bytes=limit)
     with pytest.raises((InvalidStream, PayloadTooLarge)) as info:
@@ -47,6 +56,7 @@ def _bodies() -> Iterator[tuple[str, bytes, str]]:
     yield "gzip", gzip.compress(b"{}" * 100, mtime=0), "a gzip-compressed file"
     yield "zstd", b"\x28\xb5\x2f\xfd" + b"\x00" * 64, "a zstd-compressed file"
     yield "npy", b"\x93NUMPY\x01\x00v\x00{'descr': '<f4'" + b" " * 64, "a NumPy .npy file"
+    yield "multipart", MULTIPART, "a multipart form upload (as curl -F or an HTML form sends)"
 
 
 BODIES = {name: (body, what) for name, body, what in _bodies()}
@@ -129,3 +139,23 @@ def test_a_valid_stream_whose_length_starts_like_a_signature_parses(magic: bytes
     events = list(parser.feed(body))
     assert parser.close().tensors == header.tensors
     assert len(events) == 2
+
+
+@pytest.mark.parametrize(
+    "start",
+    [b"--AaB03x\r\n", b"--boundary.with:odd=chars(1)?\r\n", b"-----WebKitFormBoundary7M\r\n"],
+)
+def test_a_multipart_form_says_to_send_the_raw_file(start: bytes) -> None:
+    """curl -F, an HTML form, a browser's boundary: a 400 that says what to send instead,
+    not a header length of 3e18 over the limit (413)."""
+    error = _error(start + b"Content-Disposition: form-data; name=file\r\n\r\n" + b"\0" * 64)
+    assert type(error) is InvalidStream
+    assert "multipart form upload" in str(error)
+    assert "--data-binary @model.safetensors" in str(error)
+
+
+def test_dashes_in_a_length_prefix_alone_are_no_multipart_form() -> None:
+    """A length whose low bytes happen to be ``--`` (0x2d2d) but whose other bytes are no
+    boundary characters is judged as a length, as before."""
+    error = _error(b"--\x00\x00\x00\x00\x00\x01" + b"\0" * 64)
+    assert type(error) is PayloadTooLarge

@@ -9,6 +9,10 @@
     trainer.fit(model)                                           # saves to the service
     trainer.fit(model, ckpt_path="ckptstore://my-run/latest")    # resumes from it
 
+One script that starts a run and resumes it: ``CkptStoreCheckpointIO(url, run,
+missing_ok=True)`` and always ``ckpt_path=io.checkpoint_path()``; while the run has no
+checkpoint, the fit starts fresh (as Hugging Face's ``restore_checkpoint(missing_ok=True)``).
+
 Written against ``pytorch_lightning`` (the ``pytorch-lightning`` package, 2.4+; its
 ``CheckpointIO`` is ``lightning_fabric``'s). The unified ``lightning`` package ships its own
 copy of the class under ``lightning.fabric``, which its ``Trainer`` checks for: it is not
@@ -120,6 +124,12 @@ class CkptStoreCheckpointIO(CheckpointIO):
     ``AsyncCheckpointIO(CkptStoreCheckpointIO(url, run))`` (saves in a background thread).
     Safe to pickle (``ddp_spawn``): it holds configuration and the path table, and opens its
     connections on first use.
+
+    ``missing_ok=True``: loading ``latest`` of a run that has no checkpoint yet (or does
+    not exist) is no checkpoint: ``fit(ckpt_path=io.checkpoint_path())`` starts fresh
+    (logged at warning level), so one script both starts and resumes a run. Opt-in, as
+    Hugging Face's ``missing_ok``: a mistyped run name or URL would otherwise start from
+    scratch silently. An explicit step the service does not have still raises.
     """
 
     def __init__(
@@ -131,8 +141,10 @@ class CkptStoreCheckpointIO(CheckpointIO):
         retries: int = 5,
         backoff: float = 0.5,
         token: str | None = None,
+        missing_ok: bool = False,
     ) -> None:
         super().__init__()
+        self.missing_ok = missing_ok
         self.token = token  # None: CKPTSTORE_TOKEN, read where the client is made
         self.url = url
         self.run = check_run_name(run)
@@ -232,7 +244,9 @@ class CkptStoreCheckpointIO(CheckpointIO):
         """The checkpoint ``path`` names: ``ckptstore://run/step``, ``ckptstore://run/latest``
         (``ckptstore://step`` and ``ckptstore://latest``: this plugin's run), or a path this
         plugin saved to in this process. ``FileNotFoundError`` for any other path and for a
-        checkpoint the service does not have.
+        checkpoint the service does not have -- except ``latest`` of a run with no checkpoint
+        under ``missing_ok=True``: then an empty checkpoint that Lightning restores nothing
+        from (:class:`_NoCheckpoint`), and the fit starts fresh.
 
         ``map_location``: ``None`` (the CPU), a device or a device string; Lightning moves
         the states onto the model's devices itself. ``weights_only`` is accepted and ignored:
@@ -248,8 +262,17 @@ class CkptStoreCheckpointIO(CheckpointIO):
         try:
             stored = self.client.load(run, step, map_location=device)
         except NotFound as exc:
+            if step == "latest" and self.missing_ok:
+                logger.warning(
+                    "%s: run %r has no checkpoint yet (%s); starting fresh (missing_ok=True)",
+                    self.checkpoint_path(step, run),
+                    run,
+                    exc.message,
+                )
+                return _NoCheckpoint()
+            hint = "" if step != "latest" else "; to start fresh then, pass missing_ok=True"
             raise FileNotFoundError(
-                f"no checkpoint {self.checkpoint_path(step, run)!r} ({exc.message})"
+                f"no checkpoint {self.checkpoint_path(step, run)!r} ({exc.message}){hint}"
             ) from exc
         checkpoint = from_storable(stored)
         loaded_step = checkpoint.get("global_step")
@@ -313,6 +336,21 @@ class CkptStoreCheckpointIO(CheckpointIO):
                 f"stored one as {self.checkpoint_path()!r} or {self.checkpoint_path(1000)!r}"
             )
         return self.run, saved
+
+
+class _NoCheckpoint(dict[str, Any]):
+    """What ``load_checkpoint`` returns for "no checkpoint yet" (``missing_ok``): a
+    checkpoint of the running Lightning's version (its migration step reads that key) that
+    is false, as Lightning's ``_CheckpointConnector`` holds "nothing loaded" (``{}``): each
+    of its ``restore_*`` steps then returns at once. Tested under a real ``fit``."""
+
+    def __init__(self) -> None:
+        from importlib.metadata import version
+
+        super().__init__({"pytorch-lightning_version": version("pytorch-lightning")})
+
+    def __bool__(self) -> bool:
+        return False
 
 
 def _path_key(path: str | os.PathLike[str]) -> str:

@@ -285,8 +285,9 @@ def _has_body(scope: Scope) -> bool:
 
 
 def _refusal(scope: Scope, exc: CkptStoreError, access: Access) -> Response:
-    """The answer to a refused request: the typed JSON error (a dashboard page: the login
-    form for a 401, an HTML page for a 403), with RFC 6750's ``WWW-Authenticate``."""
+    """The answer to a refused request: the typed JSON error (a dashboard page: a 303 to
+    the sign-in page when no token came, the login form for a token refused (401), an HTML
+    page for a 403), with RFC 6750's ``WWW-Authenticate``."""
     headers = {}
     if _has_body(scope):
         # the body is not read: closing the connection tells the client at once, instead
@@ -302,6 +303,10 @@ def _refusal(scope: Scope, exc: CkptStoreError, access: Access) -> Response:
     if not access.html or not isinstance(exc, Unauthorized | Forbidden):
         return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
     root = str(scope.get("root_path", "")).rstrip("/")
+    if isinstance(exc, Unauthorized) and not sent:
+        # a first visit: the sign-in page, as a page (200) rather than as this page's 401,
+        # which a browser reports as a failed load
+        return RedirectResponse(f"{root}/ui/login", status_code=303, headers=headers)
     if isinstance(exc, Unauthorized):
         told = "That token is unknown or revoked." if sent else "Sign in to see the dashboard."
         body = _login_form(root, told)

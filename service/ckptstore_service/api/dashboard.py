@@ -3,7 +3,12 @@
     GET /                 redirects to /ui
     GET /ui               every run: checkpoints, raw and stored bytes, ratio, latest step
     GET /ui/runs/{run}    one run: a chart of raw vs stored bytes per checkpoint (inline SVG)
-                          and the table of its chain (parent, keyframe, depth, parts, metadata)
+                          and the table of its chain (parent, keyframe, depth, parts, metadata),
+                          with what the chain columns mean under it
+
+Sizes are in binary units (KiB, MiB), as the ``ckptstore`` command prints them. A page seen
+through the sign-in cookie has a "Sign out" button (a form posting to ``/ui/logout``). The
+pages fit a 420 px wide screen: the tables scroll sideways in their own box.
 
 The pages read what the JSON listings read (``Catalog.list_runs`` and
 ``Catalog.list_checkpoints``, behind the same run-name check), and are built here as strings:
@@ -28,13 +33,13 @@ from starlette.concurrency import run_in_threadpool
 
 from ckptstore_core.errors import InvalidRequest, RunNotFound
 from ckptstore_core.records import RunInfo
-from ckptstore_service.api.auth import PrincipalDep
+from ckptstore_service.api.auth import COOKIE, PrincipalDep
 from ckptstore_service.api.deps import RuntimeDep
 from ckptstore_service.auth import Principal
 from ckptstore_service.catalog import Catalog, CheckpointRecord
 from ckptstore_service.names import check_run_name
 
-__all__ = ["MAX_CHART_POINTS", "bytes_chart", "human_bytes", "ratio", "router"]
+__all__ = ["CHAIN_LEGEND", "MAX_CHART_POINTS", "bytes_chart", "human_bytes", "ratio", "router"]
 
 router = APIRouter(include_in_schema=False)
 
@@ -45,7 +50,7 @@ _SHOWN_VALUE = 80
 _HEADERS = {
     # no script may run on these pages, whatever a stored string holds
     "Content-Security-Policy": (
-        "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; "
+        "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'self'; "
         "frame-ancestors 'none'"
     ),
     "X-Content-Type-Options": "nosniff",
@@ -67,27 +72,36 @@ async def runs_page(request: Request, rt: RuntimeDep, principal: PrincipalDep) -
     """Every run with a committed checkpoint (that the token covers), its checkpoints
     summed (``GET /v1/runs``)."""
     rows = await run_in_threadpool(_runs_with_latest, rt.catalog, principal)
-    return _html(200, "Runs", _runs_body(_root(request), rows))
+    return _html(200, "Runs", _runs_body(_Page(request), rows))
 
 
 @router.get("/ui/runs/{run:path}", response_class=HTMLResponse)
 async def run_page(run: str, request: Request, rt: RuntimeDep) -> HTMLResponse:
     """One run's chain (``GET /v1/runs/{run}/checkpoints``); an HTML 400 for a name that
     breaks the run-name rule, 404 for a run without checkpoints."""
-    root = _root(request)
+    page = _Page(request)
     try:
         check_run_name(run)
         records = await run_in_threadpool(rt.catalog.list_checkpoints, run)
     except (InvalidRequest, RunNotFound) as exc:
         title = "Not found" if isinstance(exc, RunNotFound) else "Bad request"
-        return _html(exc.status, title, _error_body(root, title, exc.message))
-    return _html(200, run, _run_body(root, run, records))
+        return _html(exc.status, title, _error_body(page, title, exc.message))
+    return _html(200, run, _run_body(page, run, records))
 
 
 def _root(request: Request) -> str:
     """The prefix the app is mounted under (ASGI ``root_path``, set behind a proxy), or ''."""
     root: str = request.scope.get("root_path", "")
     return root.rstrip("/")
+
+
+class _Page:
+    """What every page's frame needs of the request: the prefix its links start with, and
+    whether the viewer signed in with the dashboard's cookie (then a "Sign out" button)."""
+
+    def __init__(self, request: Request) -> None:
+        self.root = _root(request)
+        self.signed_in = COOKIE in request.cookies
 
 
 def _runs_with_latest(
@@ -108,12 +122,13 @@ def _e(text: object) -> str:
 
 
 def human_bytes(n: int) -> str:
-    """``n`` bytes in decimal units, three significant digits: ``512 B``, ``1.23 MB``."""
+    """``n`` bytes in binary units (as the ``ckptstore`` command prints them), three
+    significant digits: ``512 B``, ``1.21 KiB``, ``118 MiB``."""
     value = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if value < 999.5 or unit == "TB":  # 999_999 B is 1 MB, not 1000 kB
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 999.5 or unit == "TiB":  # 1023 B is 1 KiB, not 1023 B wider than the rest
             break
-        value /= 1000
+        value /= 1024
     if unit == "B":
         return f"{n} B"
     return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
@@ -173,6 +188,11 @@ time{white-space:nowrap}
 tr:hover td{background:#f6f8fa}
 a{color:#0969da}.dim{color:#656d76}.summary{margin:0 0 14px}.summary b{font-weight:600}
 td.meta{min-width:160px}
+header{display:flex;align-items:center;justify-content:space-between;gap:12px}
+header form{margin:0}header button{font:inherit;font-size:13px;color:#fff;background:none;
+border:1px solid #8c959f;border-radius:4px;padding:2px 10px;cursor:pointer}
+.scroll{overflow-x:auto;max-width:100%}p.chain-legend{font-size:12px;margin:8px 0}
+@media (max-width:600px){main{padding:12px}header{padding:10px 12px}}
 ul.meta{list-style:none;margin:0;padding:0;font-size:12px}ul.meta code{color:#6639ba}
 .val{word-break:break-all}.key{color:#1a7f37;font-weight:600}
 .chart{background:#fff;border:1px solid #d0d7de;margin:0 0 16px;padding:8px}
@@ -193,18 +213,26 @@ def _html(status: int, title: str, body: str) -> HTMLResponse:
     return HTMLResponse(page, status_code=status, headers=_HEADERS)
 
 
-def _frame(root: str, content: str) -> str:
-    return f'<header><a href="{_e(root)}/ui">ckptstore</a></header><main>{content}</main>'
+def _frame(page: _Page, content: str) -> str:
+    root = _e(page.root)
+    out = (
+        f'<form method="post" action="{root}/ui/logout"><button id="sign-out">Sign out'
+        "</button></form>"
+        if page.signed_in
+        else ""
+    )
+    return f'<header><a href="{root}/ui">ckptstore</a>{out}</header><main>{content}</main>'
 
 
-def _error_body(root: str, title: str, message: str) -> str:
-    back = f'<p><a href="{_e(root)}/ui">All runs</a></p>'
-    return _frame(root, f'<h1>{_e(title)}</h1><p class="error">{_e(message)}</p>{back}')
+def _error_body(page: _Page, title: str, message: str) -> str:
+    back = f'<p><a href="{_e(page.root)}/ui">All runs</a></p>'
+    return _frame(page, f'<h1>{_e(title)}</h1><p class="error">{_e(message)}</p>{back}')
 
 
-def _runs_body(root: str, rows: Sequence[tuple[RunInfo, CheckpointRecord | None]]) -> str:
+def _runs_body(page: _Page, rows: Sequence[tuple[RunInfo, CheckpointRecord | None]]) -> str:
+    root = page.root
     if not rows:
-        return _frame(root, "<h1>Runs</h1><p>No checkpoints stored yet.</p>")
+        return _frame(page, "<h1>Runs</h1><p>No checkpoints stored yet.</p>")
     raw = sum(r.raw_bytes for r, _ in rows)
     stored = sum(r.stored_bytes for r, _ in rows)
     summary = (
@@ -219,8 +247,11 @@ def _runs_body(root: str, rows: Sequence[tuple[RunInfo, CheckpointRecord | None]
         "<th>Latest saved (UTC)</th><th>Run created (UTC)</th></tr>"
     )
     body = "".join(_run_row(root, run, latest) for run, latest in rows)
-    table = f'<table id="runs"><thead>{head}</thead><tbody>{body}</tbody></table>'
-    return _frame(root, f"<h1>Runs</h1>{summary}{table}")
+    table = (
+        f'<div class="scroll"><table id="runs"><thead>{head}</thead><tbody>{body}</tbody>'
+        "</table></div>"
+    )
+    return _frame(page, f"<h1>Runs</h1>{summary}{table}")
 
 
 def _run_row(root: str, run: RunInfo, latest: CheckpointRecord | None) -> str:
@@ -235,7 +266,8 @@ def _run_row(root: str, run: RunInfo, latest: CheckpointRecord | None) -> str:
     )
 
 
-def _run_body(root: str, run: str, records: Sequence[CheckpointRecord]) -> str:
+def _run_body(page: _Page, run: str, records: Sequence[CheckpointRecord]) -> str:
+    root = page.root
     raw = sum(c.raw_bytes for c in records)
     stored = sum(c.stored_bytes for c in records)
     api = f"{root}/v1/runs/{quote(run, safe='')}/checkpoints"
@@ -247,18 +279,40 @@ def _run_body(root: str, run: str, records: Sequence[CheckpointRecord]) -> str:
         f'({ratio(raw, stored)}). <a href="{_e(api)}">JSON</a></p>'
     )
     content = f"<h1>{_e(run)}</h1>{summary}{bytes_chart(records)}{_chain_table(records)}"
-    return _frame(root, f'<p><a href="{_e(root)}/ui">\u2190 All runs</a></p>{content}')
+    return _frame(page, f'<p><a href="{_e(root)}/ui">\u2190 All runs</a></p>{content}')
+
+
+#: What the chain columns mean (as ``ckptstore ls`` explains them), under the table.
+CHAIN_LEGEND = {
+    "Parent": "the checkpoint its deltas were taken against; empty when there is none in the "
+    "run (its first save, a fork's first checkpoint, a parent since deleted, its deltas "
+    "re-based)",
+    "Keyframe": "a keyframe holds no deltas and loads without any other checkpoint; a delta "
+    "needs its chain",
+    "Depth": "the longest delta chain a load decodes, whatever the parent column shows",
+    "Parts": "how many writers (ranks) wrote it, committed at once",
+}
 
 
 def _chain_table(records: Sequence[CheckpointRecord]) -> str:
+    def th(name: str, cls: str = "") -> str:
+        tip = CHAIN_LEGEND.get(name)
+        title = f' title="{_e(tip)}"' if tip else ""
+        return f"<th{cls}{title}>{name}</th>"
+
+    num = ' class="num"'
     head = (
-        '<tr><th class="num">Step</th><th class="num">Parent</th><th>Keyframe</th>'
-        '<th class="num">Depth</th><th class="num">Parts</th><th class="num">Tensors</th>'
+        f"<tr>{th('Step', num)}{th('Parent', num)}{th('Keyframe')}{th('Depth', num)}"
+        f"{th('Parts', num)}{th('Tensors', num)}"
         '<th class="num">Raw</th><th class="num">Stored</th><th class="num">Ratio</th>'
         "<th>Created (UTC)</th><th>Metadata</th></tr>"
     )
     rows = "".join(_checkpoint_row(c) for c in records)
-    return f'<table id="chain"><thead>{head}</thead><tbody>{rows}</tbody></table>'
+    legend = "; ".join(f"<b>{name}</b>: {_e(text)}" for name, text in CHAIN_LEGEND.items())
+    return (
+        f'<div class="scroll"><table id="chain"><thead>{head}</thead><tbody>{rows}</tbody>'
+        f'</table></div><p class="chain-legend dim">{legend}.</p>'
+    )
 
 
 def _checkpoint_row(c: CheckpointRecord) -> str:
@@ -369,10 +423,14 @@ def _y_axis(top: int, y: _Scale) -> str:
 
 
 def _nice_ceiling(n: int) -> int:
-    """The smallest 1, 2, 2.5 or 5 times a power of ten at or above ``n`` (at least 1)."""
+    """The smallest 1, 2, 2.5 or 5 times a power of ten of the binary unit that shows ``n``
+    (B, KiB, MiB, ...) at or above ``n`` (at least 1): the axis reads 2.5 MiB, not 2.38 MiB."""
+    unit = 1
+    while n > 999 * unit:
+        unit *= 1024
     scale = 1
     while True:
         for step in (1, 2, 2.5, 5):
-            if step * scale >= n:
-                return max(1, int(step * scale))
+            if step * scale * unit >= n:
+                return max(1, int(step * scale * unit))
         scale *= 10

@@ -12,6 +12,7 @@ twice the timeout, not after minutes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -126,10 +127,22 @@ class Database:
         """Bring the schema to the newest Alembic revision (idempotent).
 
         On PostgreSQL an advisory lock keeps replicas that start together from migrating
-        at the same time.
+        at the same time. Logs one line when it changed the schema (``catalog schema:
+        upgraded from 0005 to 0008``); Alembic's own lines (a plugin set-up each, and each
+        revision's docstring) are logged at debug level only, so a first start does not
+        print two dozen lines of migration history.
         """
+        with _alembic_at_debug():  # its import and its context log too
+            before, after = self._upgrade_to_head()
+        if after != before:
+            done = f"created at {after}" if before is None else f"upgraded from {before} to {after}"
+            logging.getLogger("ckptstore").info("catalog schema: %s", done)
+
+    def _upgrade_to_head(self) -> tuple[str | None, str | None]:
+        """Alembic's upgrade to ``head``; the revisions before and after."""
         from alembic import command
         from alembic.config import Config
+        from alembic.runtime.migration import MigrationContext
 
         config = Config()
         config.set_main_option("script_location", str(Path(__file__).with_name("migrations")))
@@ -140,7 +153,10 @@ class Database:
             if self.is_postgres:
                 conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _MIGRATION_LOCK})
             config.attributes["connection"] = conn
+            before = MigrationContext.configure(conn).get_current_revision()
             command.upgrade(config, "head")
+            after = MigrationContext.configure(conn).get_current_revision()
+        return before, after
 
     def revision(self) -> str | None:
         """The schema's current Alembic revision (None before the first upgrade)."""
@@ -148,6 +164,21 @@ class Database:
 
         with translate_errors(), self.engine.connect() as conn:
             return MigrationContext.configure(conn).get_current_revision()
+
+
+@contextlib.contextmanager
+def _alembic_at_debug() -> Iterator[None]:
+    """Alembic's loggers show only warnings while it runs, unless debug is asked for."""
+    logger = logging.getLogger("alembic")
+    if logger.getEffectiveLevel() <= logging.DEBUG:
+        yield
+        return
+    saved = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(saved)
 
 
 def _query_of(url: str) -> Any:
