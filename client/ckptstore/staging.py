@@ -46,7 +46,9 @@ __all__ = ["AsyncSaver", "StagingBuffers"]
 
 logger = logging.getLogger("ckptstore")
 
-Upload = Callable[[str, int, FlatState, bool | None, str | None, str | None], CheckpointInfo]
+Upload = Callable[
+    [str, int, FlatState, bool | None, str | None, str | None, str | None], CheckpointInfo
+]
 
 
 # CPU copies are split over up to this many threads (the caller's included) once a state
@@ -224,9 +226,11 @@ class AsyncSaver:
         progress: bool | None,
         metadata: Mapping[str, Any] | None = None,
         lossy: str | None = None,
+        names: str | None = None,
     ) -> Future[CheckpointInfo]:
         """Stage ``state`` and start its upload; returns once the state is copied.
-        ``lossy``: the lossy parameters asked for, as the save sends them (JSON)."""
+        ``lossy``: the lossy parameters asked for, ``names`` the parameter names, as the
+        save sends them (JSON)."""
         self._refuse_on_worker("save_async")
         with self._lock:
             if self._last is not None:
@@ -246,7 +250,9 @@ class AsyncSaver:
                 # a ThreadPoolExecutor's workers are joined at interpreter exit, so an upload
                 # in flight then is finished, not cut off
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-save")
-            future = self._executor.submit(self._run, run, step, flat, progress, text, lossy)
+            future = self._executor.submit(
+                self._run, run, step, flat, progress, text, lossy, names
+            )
             self._last = future
             return future
 
@@ -258,10 +264,11 @@ class AsyncSaver:
         progress: bool | None,
         metadata: str | None,
         lossy: str | None,
+        names: str | None = None,
     ) -> CheckpointInfo:
         self._worker = threading.get_ident()
         try:
-            return self._upload(run, step, flat, progress, metadata, lossy)
+            return self._upload(run, step, flat, progress, metadata, lossy, names)
         except Exception as exc:
             logger.warning("ckptstore: save_async of %s/%s failed: %s", run, step, exc)
             raise

@@ -74,6 +74,7 @@ __all__ = [
     "tensor_bytes",
     "tensor_from_bytes",
     "FlatState",
+    "param_names",
 ]
 
 SKELETON_VERSION: Final = 1
@@ -755,3 +756,38 @@ def referenced_tensors(skeleton: str, prefix: str | None = None) -> list[str]:
     except RecursionError:
         raise ValueError("malformed skeleton: nested too deeply") from None
     return list(names)
+
+
+# ------------------------------------------------------------------------ parameter names
+
+
+def param_names(
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+) -> str | None:
+    """What a save says about its state's parameters (``ckptstore.param_names``, the JSON of
+    :class:`ckptstore_core.lossy.ParamNames`), from the live objects: per optimizer, per
+    param group, the ``model.named_parameters()`` name of each parameter, in the order whose
+    positions ``optimizer.state_dict()`` numbers as its integer ids (group after group), by
+    identity: exact whatever the groups' order; and every parameter name of the model.
+    None when neither is given."""
+    if model is None and optimizer is None:
+        return None
+    from ckptstore_core.lossy import ParamNames
+
+    named: dict[int, str] = {}
+    if model is not None:
+        for name, p in model.named_parameters():  # a tied parameter: its first name
+            named.setdefault(id(p), name)
+    if optimizer is None:
+        optimizers: list[torch.optim.Optimizer] = []
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        optimizers = [optimizer]
+    else:
+        optimizers = list(optimizer)
+    groups = tuple(
+        tuple(tuple(named.get(id(p)) for p in g["params"]) for g in opt.param_groups)
+        for opt in optimizers
+    )
+    out = ParamNames(groups, tuple(named.values()))
+    return json.dumps(out.to_json(), separators=(",", ":"))

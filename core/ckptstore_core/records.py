@@ -18,6 +18,7 @@ from ckptstore_core.retention import RetentionPolicy
 
 __all__ = [
     "LOSSY_KEY",
+    "PARAM_NAMES_KEY",
     "MAX_USER_METADATA_BYTES",
     "USER_METADATA_KEY",
     "CheckpointInfo",
@@ -37,6 +38,10 @@ MAX_USER_METADATA_BYTES = 64 << 10
 #: default parameters) or a JSON object of parameters (``ckptstore_core.lossy.Lossy``).
 #: Not stored with the checkpoint's metadata: its listing's ``lossy`` says what was done.
 LOSSY_KEY = "ckptstore.lossy"
+#: The save header's metadata key where the client says which optimizer parameter id is
+#: which model parameter (``ckptstore_core.lossy.ParamNames``, JSON; docs/lossy.md): kept
+#: with the checkpoint, so that an archival pairs its weights as the save did.
+PARAM_NAMES_KEY = "ckptstore.param_names"
 
 
 def _no_constant(name: str) -> None:

@@ -64,6 +64,7 @@ import xxhash
 from ckptstore_core import codec, lossy
 from ckptstore_core.errors import CheckpointNotFound, CheckpointPinned, RunBusy, RunNotFound
 from ckptstore_core.retention import Candidate, RetentionPolicy, lossy_steps
+from ckptstore_core.records import PARAM_NAMES_KEY
 from ckptstore_service.catalog import Catalog, CheckpointRecord, ChunkInfo, TensorInfo
 from ckptstore_service.catalog.archive import ArchiveChanges
 from ckptstore_service.catalog.garbage import RerootChanges
@@ -364,7 +365,8 @@ class _Conversion:
         skeleton = json.loads(self.x.stored_metadata.get("skeleton", "null"))
         specs = [(t.name, t.dtype, t.shape) for t in tensors]
         roles: dict[str, tuple[lossy.Role, str | None]] = {}
-        for p in lossy.pair_tensors(specs, skeleton):
+        names = self.x.stored_metadata.get(PARAM_NAMES_KEY)
+        for p in lossy.pair_tensors(specs, skeleton, names):
             roles[p.weight] = ("weight", p.exp_avg_sq)
             if p.exp_avg is not None:
                 roles[p.exp_avg] = ("exp_avg", p.exp_avg_sq)
