@@ -250,9 +250,7 @@ class AsyncSaver:
                 # a ThreadPoolExecutor's workers are joined at interpreter exit, so an upload
                 # in flight then is finished, not cut off
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-save")
-            future = self._executor.submit(
-                self._run, run, step, flat, progress, text, lossy, names
-            )
+            future = self._executor.submit(self._run, run, step, flat, progress, text, lossy, names)
             self._last = future
             return future
 

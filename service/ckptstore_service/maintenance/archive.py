@@ -63,8 +63,8 @@ import xxhash
 
 from ckptstore_core import codec, lossy
 from ckptstore_core.errors import CheckpointNotFound, CheckpointPinned, RunBusy, RunNotFound
-from ckptstore_core.retention import Candidate, RetentionPolicy, lossy_steps
 from ckptstore_core.records import PARAM_NAMES_KEY
+from ckptstore_core.retention import Candidate, RetentionPolicy, lossy_steps
 from ckptstore_service.catalog import Catalog, CheckpointRecord, ChunkInfo, TensorInfo
 from ckptstore_service.catalog.archive import ArchiveChanges
 from ckptstore_service.catalog.garbage import RerootChanges
