@@ -131,7 +131,7 @@ def _ls(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{'step':>10} {'parent':>10} {'key':>4} {'depth':>5} {'raw':>12} {'stored':>12} "
-        f"{'ratio':>9} {'pin':>4}  lossy"
+        f"{'ratio':>9} {'pin':>4}  lossy  [paired: with moments / weights only / exact]"
     )
     for c in checkpoints:
         parent = "-" if c.parent_step is None else str(c.parent_step)
@@ -139,7 +139,7 @@ def _ls(args: argparse.Namespace) -> int:
             f"{c.step:>10} {parent:>10} {'K' if c.keyframe else '':>4} {c.chain_depth:>5} "
             f"{_human(c.raw_bytes):>12} {_human(c.stored_bytes):>12} "
             f"{_ratio(c.raw_bytes, c.stored_bytes):>9} {'P' if c.pinned else '':>4}  "
-            f"{_lossy(c.lossy)}"
+            f"{_lossy(c.lossy)}{_pairing(c.pairing)}"
         )
     return 0
 
@@ -149,6 +149,19 @@ def _lossy(params: dict[str, Any] | None) -> str:
     if params is None:
         return "-"
     return ",".join(f"{k}={json.dumps(v)}" for k, v in params.items())
+
+
+def _pairing(pairing: dict[str, Any] | None) -> str:
+    """What a lossy save paired, as ``ls`` shows it after the parameters: the fp32 weights
+    (and their bytes) paired with their Adam moments, paired without, and left exact;
+    nothing for a checkpoint no lossy save was asked for (docs/lossy.md)."""
+    if pairing is None:
+        return ""
+    parts = [
+        f"{pairing.get(k, 0)} ({_human(int(pairing.get(f'{k}_bytes', 0)))})"
+        for k in ("with_moments", "without_moments", "exact")
+    ]
+    return f"  [paired: {' / '.join(parts)}]"
 
 
 def _pin(args: argparse.Namespace) -> int:

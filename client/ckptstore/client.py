@@ -263,8 +263,9 @@ class CheckpointClient:
         asked = lossy_text(lossy)
         from ckptstore.state import flatten, param_names
 
-        names = param_names(model, optimizer)
-        return self._upload(run, step, flatten(state), progress, text, asked, names)
+        flat = flatten(state)
+        names = param_names(model, optimizer, flat)
+        return self._upload(run, step, flat, progress, text, asked, names)
 
     def save_async(
         self,

@@ -565,17 +565,22 @@ class Pair:
 class ParamNames:
     """What the caller says about the state's parameters (``ckptstore.param_names``): per
     optimizer, per param group, the name (``named_parameters()``) of each parameter in
-    ``params`` order (None: not the model's), and every parameter name of the model (its
-    weights without moments: frozen parameters). JSON:
-    ``{"optimizers": [[[name|null, ...], ...], ...], "params": [name, ...]}``."""
+    ``params`` order (None: not the model's), every parameter name of the model (its
+    weights without moments: frozen parameters), and the tensor (its name in the save) that
+    is the parameter itself, where the state holds the live parameter (then no other
+    mapping holding the same names, an EMA copy say, makes it ambiguous). JSON:
+    ``{"optimizers": [[[name|null, ...], ...], ...], "params": [name, ...],
+    "tensors": {name: tensor name}}``."""
 
     optimizers: tuple[tuple[tuple[str | None, ...], ...], ...] = ()
     params: tuple[str, ...] = ()
+    tensors: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> dict[str, object]:
         return {
             "optimizers": [[list(g) for g in groups] for groups in self.optimizers],
             "params": list(self.params),
+            "tensors": dict(self.tensors),
         }
 
     @classmethod
@@ -583,15 +588,18 @@ class ParamNames:
         """Parsed from the metadata's text; InvalidRequest for anything else."""
         bad = InvalidRequest(
             'ckptstore.param_names must be {"optimizers": [[[name|null, ...], ...], ...], '
-            '"params": [name, ...]}'
+            '"params": [name, ...], "tensors": {name: tensor name}}'
         )
         try:
             obj = json.loads(text)
         except (ValueError, RecursionError):
             raise bad from None
-        if not isinstance(obj, dict) or not set(obj) <= {"optimizers", "params"}:
+        if not isinstance(obj, dict) or not set(obj) <= {"optimizers", "params", "tensors"}:
             raise bad
         optimizers, params = obj.get("optimizers", []), obj.get("params", [])
+        tensors = obj.get("tensors", {})
+        if not isinstance(tensors, dict) or not all(isinstance(t, str) for t in tensors.values()):
+            raise bad
         if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
             raise bad
         if not isinstance(optimizers, list):
@@ -603,7 +611,7 @@ class ParamNames:
             if not all(n is None or isinstance(n, str) for g in groups for n in g):
                 raise bad
             out.append(tuple(tuple(g) for g in groups))
-        return cls(tuple(out), tuple(params))
+        return cls(tuple(out), tuple(params), tuple(tensors.items()))
 
 
 @dataclass(frozen=True)
@@ -621,7 +629,8 @@ class Pairing:
 
     def summary(self) -> dict[str, object]:
         """The listing's ``pairing``: how many weights (and their bytes) were paired with
-        moments, paired without, and left exact, and the layout."""
+        moments, paired without, and left exact, the layout, and whether the state holds
+        an optimizer."""
         with_m = [p.weight for p in self.pairs if p.exp_avg is not None]
         without = [p.weight for p in self.pairs if p.exp_avg is None]
         out: dict[str, object] = {}
@@ -631,6 +640,7 @@ class Pairing:
         out["exact"] = len(self.exact)
         out["exact_bytes"] = sum(self.nbytes[n] for n in self.exact)
         out["layout"] = self.layout
+        out["optimizer"] = self.optimizer
         return out
 
     @property
@@ -781,6 +791,7 @@ class _Pairer:
             key = leaf.key if isinstance(leaf.key, str) else ""
             if self.f32(leaf.name) and not key.endswith(_BUFFER_NAMES):
                 self.weights.append(leaf)
+        self.by_tensor = {leaf.name: leaf for leaf in self.weights}
         self.caller = self._caller_names()
 
     def f32(self, name: str | None) -> bool:
@@ -805,21 +816,25 @@ class _Pairer:
         return out
 
     def _by_name(self, names: list[str]) -> dict[str, _Leaf]:
-        """Each name's weight: the one under that key in the mapping holding all the names
-        found, if one mapping does; else the one under that key in the whole state, if only
-        one."""
+        """Each name's weight: the tensor the caller says is that parameter; else the one
+        under that key in the mapping holding all the names found, if one mapping does; else
+        the one under that key in the whole state, if only one."""
+        told = {n: self.by_tensor[t] for n, t in self.names.tensors if t in self.by_tensor}
         holders: dict[str, list[_Leaf]] = {}
         for leaf in self.weights:
             if isinstance(leaf.key, str):
                 holders.setdefault(leaf.key, []).append(leaf)
-        wanted = [n for n in names if n in holders]
+        wanted = [n for n in names if n in holders and n not in told]
+        out = {n: told[n] for n in names if n in told}
         if not wanted:
-            return {}
+            return out
         common = set.intersection(*({leaf.parent for leaf in holders[n]} for n in wanted))
         if len(common) == 1:
             (parent,) = common
-            return {n: next(x for x in holders[n] if x.parent == parent) for n in wanted}
-        return {n: holders[n][0] for n in wanted if len(holders[n]) == 1}
+            out |= {n: next(x for x in holders[n] if x.parent == parent) for n in wanted}
+        else:
+            out |= {n: holders[n][0] for n in wanted if len(holders[n]) == 1}
+        return out
 
     def _by_shape(self, opt: _Optimizer) -> dict[object, _Leaf]:
         """Integer ids alone: the ids whose moments' shape is the optimizer's only one of

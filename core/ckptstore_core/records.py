@@ -146,6 +146,12 @@ class CheckpointInfo(_Record):
     #: its paired fp32 weights and Adam moments were stored with (docs/lossy.md): it loads
     #: to the same bytes every time, not to the bytes saved
     lossy: dict[str, Any] | None = None
+    #: None: not asked to be lossy. Else what its lossy save (or archival) paired
+    #: (``ckptstore_core.lossy.Pairing.summary()``, docs/lossy.md#which-weights-pair): how
+    #: many fp32 weights, and their bytes, were paired with their Adam moments
+    #: (``with_moments``, ``with_moments_bytes``), paired without (``without_moments...``),
+    #: and left exact (``exact``, ``exact_bytes``), and ``layout``: how the state was read.
+    pairing: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ a frozen layer."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -368,3 +369,29 @@ def test_without_optimizer_weights_only() -> None:
     assert p.pairs == [Pair(f"model/{n}", None, None) for n in dict(model.named_parameters())]
     assert p.exact == [] and not p.paired_nothing
     assert p.layout == "no optimizer (weights only)"
+
+
+def test_the_callers_live_parameters_settle_an_ema_copy() -> None:
+    """Two mappings hold the model's names (the model and its EMA copy): the caller's live
+    parameters, which ``model.state_dict()`` views, say which one is the model."""
+    model = _model()
+    opt = torch.optim.AdamW(_two_groups(model), lr=1e-3)
+    _train(model, opt)
+    ema = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {"ema": ema, "model": model.state_dict(), "optimizer": opt.state_dict()}
+    flat = flatten(state)
+    table = [(n, dtype_to_wire(t.dtype), tuple(t.shape)) for n, t in flat.tensors]
+    names = param_names(model, opt, flat)
+    told = ParamNames.from_json(names or "")
+    assert dict(told.tensors)["h1.weight"] == "model/h1.weight"
+    p = pairing(table, json.loads(flat.skeleton), names)
+    ids = _ids(model, opt)
+    expected = _expected("model/", lambda n: f"optimizer/state/{ids[n]}", TRAINED, FROZEN)
+    assert sorted(p.pairs, key=str) == sorted(expected, key=str)
+    assert sorted(p.exact) == sorted(f"ema/{n}" for n in dict(model.named_parameters()))
+    # a copy of the state is no live parameter: the names alone are ambiguous again
+    copied = flatten(copy.deepcopy(state))
+    names = param_names(model, opt, copied)
+    assert ParamNames.from_json(names or "").tensors == ()
+    p = pairing(table, json.loads(copied.skeleton), names)
+    assert not any(x.exp_avg is not None for x in p.pairs)

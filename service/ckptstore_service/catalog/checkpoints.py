@@ -77,6 +77,7 @@ def _info(row: Any) -> CheckpointRecord:
         metadata=user_metadata(stored),
         pinned=ck.pinned,
         lossy=None if ck.lossy_json is None else json.loads(ck.lossy_json),
+        pairing=None if ck.pairing_json is None else json.loads(ck.pairing_json),
     )
 
 

@@ -101,6 +101,9 @@ class Checkpoint(Base):
     # NULL: bit-exact; else the JSON of the lossy parameters its paired tensors were stored
     # with (ckptstore_core.lossy.Lossy.to_json(), docs/lossy.md)
     lossy_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # NULL: not asked to be lossy; else the JSON of what its lossy save or archival paired
+    # (ckptstore_core.lossy.Pairing.summary(), docs/lossy.md#which-weights-pair)
+    pairing_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
     committed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
