@@ -306,9 +306,6 @@ class CheckpointClient:
         loses it (and, the commit being atomic, leaves nothing partial behind).
         """
         asked = lossy_text(lossy)
-        from ckptstore.state import param_names
-
-        names = param_names(model, optimizer)
         saver = self._saver
         if saver is None:
             from ckptstore.staging import AsyncSaver
@@ -317,7 +314,7 @@ class CheckpointClient:
                 if self._saver is None:
                     self._saver = AsyncSaver(self._upload)
                 saver = self._saver
-        return saver.submit(run, step, state, progress, metadata, asked, names)
+        return saver.submit(run, step, state, progress, metadata, asked, model, optimizer)
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Wait for the last :meth:`save_async` to finish and return its checkpoint.

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from typing import Any
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptstore.state import FlatState, flatten
+from ckptstore.state import FlatState, flatten, param_names
 from ckptstore_core.records import CheckpointInfo, encode_user_metadata
 
 __all__ = ["AsyncSaver", "StagingBuffers"]
@@ -226,18 +226,22 @@ class AsyncSaver:
         progress: bool | None,
         metadata: Mapping[str, Any] | None = None,
         lossy: str | None = None,
-        names: str | None = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     ) -> Future[CheckpointInfo]:
         """Stage ``state`` and start its upload; returns once the state is copied.
-        ``lossy``: the lossy parameters asked for, ``names`` the parameter names, as the
-        save sends them (JSON)."""
+        ``lossy``: the lossy parameters asked for, as the save sends them (JSON); ``model``
+        and ``optimizer``: the live objects, named as :meth:`CheckpointClient.save` names
+        them (before the copy: the state's own tensors say which one is a parameter)."""
         self._refuse_on_worker("save_async")
         with self._lock:
             if self._last is not None:
                 wait_for([self._last])
             try:
                 text = None if metadata is None else encode_user_metadata(metadata)
-                flat = self._staging.stage(flatten(state))
+                flat = flatten(state)
+                names = param_names(model, optimizer, flat)
+                flat = self._staging.stage(flat)
             except Exception as exc:
                 # an unflattenable state, a failed device copy: the future says so, the
                 # training loop goes on (as it would for a failed upload)

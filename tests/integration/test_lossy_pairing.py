@@ -186,3 +186,8 @@ def test_a_save_that_pairs_nothing_warns_naming_the_layout(saved: dict[str, Any]
     info = client.save("ema", 2, state, lossy=True, model=job.model, optimizer=job.opt)
     assert info.pairing is not None
     assert (info.pairing["with_moments"], info.pairing["exact"]) == (N_PARAMS, N_PARAMS)
+    # save_async names them before it copies the state: the same
+    future = client.save_async("ema", 3, state, lossy=True, model=job.model, optimizer=job.opt)
+    info = future.result(timeout=60)
+    assert info.pairing is not None
+    assert (info.pairing["with_moments"], info.pairing["exact"]) == (N_PARAMS, N_PARAMS)
