@@ -9,7 +9,7 @@ What must hold, through a real service: saved with the live model and optimizer
 and the dashboard say so; the stored ratio is far above the weights-only fallback's
 (``exact_moments``, what the fallback stored); without them only the unique shapes pair
 and the listing says how many weights stayed exact; a save that pairs nothing while an
-optimizer is there logs a warning naming the layout.
+optimizer is there logs a warning naming the layout; names that are no such JSON are a 400.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 from ckptstore import CheckpointClient, Lossy
+from ckptstore_core.records import LOSSY_KEY, PARAM_NAMES_KEY
+from support.bodies import assert_error, assert_nothing_stored, client_body, post
 from support.serviceproc import Service
 from support.waiting import wait_until
 
@@ -191,3 +193,12 @@ def test_a_save_that_pairs_nothing_warns_naming_the_layout(saved: dict[str, Any]
     info = future.result(timeout=60)
     assert info.pairing is not None
     assert (info.pairing["with_moments"], info.pairing["exact"]) == (N_PARAMS, N_PARAMS)
+
+
+def test_bad_param_names_are_a_400_that_stores_nothing(saved: dict[str, Any]) -> None:
+    svc: Service = saved["svc"]
+    state = saved["job"].state()
+    for bad in ("{", "[]", '{"optimizers": [[[1]]]}', '{"params": "x"}', '{"colour": 1}'):
+        body, _ = client_body(state, {LOSSY_KEY: "true", PARAM_NAMES_KEY: bad})
+        assert_error(post(svc, "bad-names", "0", body), 400, "invalid_request")
+    assert_nothing_stored(svc, "bad-names")
