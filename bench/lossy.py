@@ -5,21 +5,24 @@
     .venv/bin/python bench/lossy.py --merge A/lossy.json B/lossy.json --out bench/out
 
 Trains the fine-tune run and the GPT-from-scratch run of bench/models.py (fp32, AdamW, one
-checkpoint every 25 steps) and stores each run's chain of checkpoints the way the service
-does with a lossy save: every tensor in chunks of 4 MiB (1M fp32 elements); the chain's
-first checkpoint exactly; each later one against the previous checkpoint *as it loads* (its
-reconstruction), with ``v_prev`` the reconstruction's ``exp_avg_sq``; the tensors
-:func:`ckptstore_core.lossy.pair_tensors` pairs through :func:`ckptstore_core.lossy.encode`
-(lossless where it returns None) and every other tensor through
-:func:`ckptstore_core.codec.encode_chunk` against the parent, as the service would. For each
-setting of the sweep (:func:`settings`) it reports the stored bytes per checkpoint, the ratio
-against the raw fp32 state (weights + both Adam moments; the checkpoints after the chain's
-first), and the held-out loss of each reconstructed checkpoint against the original's (%
-change). For the default parameters and for no weight pruning, each with lossy and with
-exact moments, it also resumes training from the middle checkpoint as it loads to the end of
-the run and compares the final held-out loss with the uninterrupted run's (a resume from
-the exact checkpoint, first, must match it). An ExCP re-implementation (bench/excp.py) runs
-beside it on the same checkpoints.
+checkpoint every 25 steps), each with one param group and (``-2g``) with the two real
+training scripts build (weight decay for matrices only: the optimizer's ids then follow the
+groups, not the model; pairing uses the names a save with ``model=`` and ``optimizer=``
+sends, and the JSON also records what the state alone pairs) and stores each run's chain of
+checkpoints the way the service does with a lossy save: every tensor in chunks of 4 MiB (1M
+fp32 elements); the chain's first checkpoint exactly; each later one against the previous
+checkpoint *as it loads* (its reconstruction), with ``v_prev`` the reconstruction's
+``exp_avg_sq``; the tensors :func:`ckptstore_core.lossy.pair_tensors` pairs through
+:func:`ckptstore_core.lossy.encode` (lossless where it returns None) and every other tensor
+through :func:`ckptstore_core.codec.encode_chunk` against the parent, as the service would.
+For each setting of the sweep (:func:`settings`) it reports the stored bytes per checkpoint,
+the ratio against the raw fp32 state (weights + both Adam moments; the checkpoints after the
+chain's first), and the held-out loss of each reconstructed checkpoint against the
+original's (% change). For the default parameters and for no weight pruning, each with lossy
+and with exact moments, it also resumes training from the middle checkpoint as it loads to
+the end of the run and compares the final held-out loss with the uninterrupted run's (a
+resume from the exact checkpoint, first, must match it). An ExCP re-implementation
+(bench/excp.py) runs beside it on the same checkpoints.
 
 Results go to ``<out>/lossy.json`` and the plot (bench/lossy_plot.py: ratio against the worst
 eval-loss change, ours against ExCP) to ``--plot``, where matplotlib is installed. The runs
@@ -37,6 +40,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +56,15 @@ import models  # noqa: E402
 from ckptstore.state import dtype_to_wire, flatten, unflatten  # noqa: E402
 from ckptstore_core import codec, lossy  # noqa: E402
 from ckptstore_core.lossy import Lossy, Pair  # noqa: E402
+
+#: the runs measured: bench/models.py's fp32 runs, and the same with the two param groups
+#: real training scripts build (-2g: weight decay for matrices only, :func:`models.adamw`)
+RUNS: dict[str, Callable[..., models.RunResult]] = {
+    "finetune-fp32": models.run_finetune,
+    "gpt-scratch-fp32": models.run_gpt_fp32,
+    "finetune-fp32-2g": partial(models.run_finetune, groups=True),
+    "gpt-scratch-fp32-2g": partial(models.run_gpt_fp32, groups=True),
+}
 
 CHUNK = 1 << 20  # elements per chunk: the service's default 4 MiB chunks of fp32
 CHUNK_BYTES = 4 << 20
@@ -246,9 +259,17 @@ def measure_run(
     flats = [to_flat(state) for _, state in res.checkpoints]
     skeleton = json.loads(flats[0].skeleton)
     table = [(n, flats[0].dtypes[n], tuple(t.shape)) for n, t in flats[0].originals.items()]
-    pairs = lossy.pair_tensors(table, skeleton)
-    paired = sum(1 for p in pairs if p.exp_avg is not None)
-    log(f"  {len(pairs)} weights paired ({paired} with Adam moments)")
+    # paired as a save with model= and optimizer= pairs them (every weight, whatever the
+    # param groups); the state alone, for the record
+    pairing = lossy.pairing(table, skeleton, res.names)
+    alone = lossy.pairing(table, skeleton).summary()
+    pairs = pairing.pairs
+    summary = pairing.summary()
+    log(
+        f"  paired with moments {summary['with_moments']}, without {summary['without_moments']}"
+        f", left exact {summary['exact']} ({summary['layout']}); from the state alone "
+        f"{alone['with_moments']} with moments, {alone['exact']} exact"
+    )
     by_name = roles(pairs)
     moment_names = {n for n, (r, _) in by_name.items() if r != "weight"}
     # the raw fp32 state: every fp32 weight with Adam moments, and both moments
@@ -281,6 +302,8 @@ def measure_run(
         "steps": [s for s, _ in res.checkpoints],
         "raw_state_bytes": raw_state,
         "moment_tensors": len(moment_names),
+        "pairing": summary,
+        "pairing_state_alone": alone,
         "eval": orig_eval,
         "lossless_bytes_per_ckpt": lossless_per,
         "lossless_ratio": raw_state / lossless_per,
@@ -353,7 +376,13 @@ def main() -> None:
     p.add_argument("--plot", type=Path, default=None, help="default: <out>/lossy.png")
     p.add_argument("--checkpoints", type=int, default=None, help="per run (default 6: 5 measured)")
     p.add_argument("--every", type=int, default=25)
-    p.add_argument("--runs", nargs="+", default=["finetune-fp32", "gpt-scratch-fp32"])
+    p.add_argument(
+        "--runs",
+        nargs="+",
+        choices=list(RUNS),
+        default=list(RUNS),
+        help="the runs; -2g: the same with two param groups",
+    )
     p.add_argument(
         "--threads", type=int, default=2, help="torch threads (1 on a machine already busy)"
     )
@@ -388,7 +417,7 @@ def main() -> None:
     }
     for name in args.runs:
         log(f"{name}: training ({n_ckpt} checkpoints, one every {args.every} steps)")
-        res = models.RUNS[name](size, n_ckpt, args.every, log)
+        res = RUNS[name](size, n_ckpt, args.every, log)
         results["runs"][name] = measure_run(res, default, log)
         del res
     args.out.mkdir(parents=True, exist_ok=True)

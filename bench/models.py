@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ckptstore.state import param_names
+
 __all__ = ["Size", "SIZES", "run_gpt_fp32", "run_gpt_bf16", "run_finetune"]
 
 State = dict[str, Any]
@@ -241,6 +243,26 @@ class RunResult:
     gens: list[torch.Tensor] = field(default_factory=list)
     evaluate: Callable[[State], float] | None = None
     resume: Callable[[State, torch.Tensor], State] | None = None
+    # which optimizer id is which parameter (``ckptstore.param_names``, as a save with
+    # ``model=`` and ``optimizer=`` sends it): lossy pairing by name, whatever the groups
+    names: str | None = None
+
+
+def adamw(model: nn.Module, groups: bool, weight_decay: float, **kw: Any) -> Any:
+    """AdamW over ``model``'s parameters: one group, or (``groups``) two, as real training
+    scripts build it (the Hugging Face Trainer, nanoGPT's ``configure_optimizers``): weight
+    decay for the matrices, none for biases, norms and other vectors, the no-decay group
+    first. The optimizer's integer ids then follow the groups, not the model."""
+    if not groups:
+        return torch.optim.AdamW(model.parameters(), weight_decay=weight_decay, **kw)
+    params = list(model.parameters())
+    no_decay = [p for p in params if p.dim() < 2]
+    decay = [p for p in params if p.dim() >= 2]
+    groups_ = [
+        {"params": no_decay, "weight_decay": 0.0},
+        {"params": decay, "weight_decay": weight_decay},
+    ]
+    return torch.optim.AdamW(groups_, **kw)
 
 
 def _held_out_loss(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -266,8 +288,11 @@ def _load(model: nn.Module, opt: Any, sched: Any, state: State) -> None:
     torch.set_rng_state(state["rng"])
 
 
-def run_gpt_fp32(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]) -> RunResult:
-    """GPT trained from scratch in fp32 with AdamW and warmup + cosine LR."""
+def run_gpt_fp32(
+    size: Size, n_ckpt: int, every: int, log: Callable[[str], None], groups: bool = False
+) -> RunResult:
+    """GPT trained from scratch in fp32 with AdamW (``groups``: two param groups,
+    :func:`adamw`) and warmup + cosine LR."""
     torch.manual_seed(1)
     chain = markov_chain(size.vocab, 11)
     data = sample_chain(chain, 4096, size.seq + 1, 12)
@@ -276,7 +301,7 @@ def run_gpt_fp32(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]
 
     def make() -> tuple[nn.Module, Any, Any]:
         model = Transformer(size, causal=True, out=size.vocab, dropout=0.1)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        opt = adamw(model, groups, 0.1, lr=1e-3, betas=(0.9, 0.95))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(every, total))
         return model, opt, sched
 
@@ -295,7 +320,8 @@ def run_gpt_fp32(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]
                 log(f"    step {step:4d} loss {sum(res.losses[-every:]) / every:.3f}")
 
     model, opt, sched = make()
-    res = RunResult("gpt-scratch-fp32", n_params(model), [], [])
+    res = RunResult("gpt-scratch-fp32" + "-2g" * groups, n_params(model), [], [])
+    res.names = param_names(model, opt)
     train(model, opt, sched, g, 1, res)
     held: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -366,9 +392,11 @@ def run_gpt_bf16(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]
     return RunResult("gpt-scratch-bf16", n_params(model), ckpts, losses)
 
 
-def run_finetune(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]) -> RunResult:
+def run_finetune(
+    size: Size, n_ckpt: int, every: int, log: Callable[[str], None], groups: bool = False
+) -> RunResult:
     """A BERT-like encoder with a tokenizer-sized vocabulary, pretrained (unmeasured), then
-    fine-tuned with a new head.
+    fine-tuned with a new head (``groups``: with two param groups, :func:`adamw`).
 
     Text: Zipfian tokens over ``size.encoder_vocab`` ids (:func:`zipf_chain`), as over a real
     tokenizer. Pretraining covers the whole vocabulary; the fine-tuning task is a domain that
@@ -428,7 +456,7 @@ def run_finetune(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]
     total = n_ckpt * every
 
     def optimizer(model: nn.Module) -> tuple[Any, Any]:
-        opt = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.01)
+        opt = adamw(model, groups, 0.01, lr=5e-5)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(every, total))
 
     def train(
@@ -446,7 +474,8 @@ def run_finetune(size: Size, n_ckpt: int, every: int, log: Callable[[str], None]
                 log(f"    finetune step {step:4d} loss {sum(res.losses[-every:]) / every:.3f}")
 
     opt, sched = optimizer(model)
-    res = RunResult("finetune-fp32", n_params(model), [], [])
+    res = RunResult("finetune-fp32" + "-2g" * groups, n_params(model), [], [])
+    res.names = param_names(model, opt)
     train(model, opt, sched, g, 1, res)
     held: list[tuple[torch.Tensor, torch.Tensor]] = []
 

@@ -165,6 +165,7 @@ def _ls(args: argparse.Namespace) -> int:
     print(
         f"{'step':>{steps}} {'parent':>{steps}} {'key':>4} {'depth':>5} {'raw':>12} "
         f"{'stored':>12} {'ratio':>9} {'pin':>4}  lossy"
+        "  [paired: with moments / weights only / exact]"
     )
     for c in checkpoints:
         parent = "-" if c.parent_step is None else str(c.parent_step)
@@ -172,7 +173,7 @@ def _ls(args: argparse.Namespace) -> int:
             f"{c.step:>{steps}} {parent:>{steps}} {'K' if c.keyframe else '':>4} "
             f"{c.chain_depth:>5} {_human(c.raw_bytes):>12} {_human(c.stored_bytes):>12} "
             f"{_ratio(c.raw_bytes, c.stored_bytes):>9} {'P' if c.pinned else '':>4}  "
-            f"{_lossy(c.lossy)}"
+            f"{_lossy(c.lossy)}{_pairing(c.pairing)}"
         )
     legend = sys.stdout.isatty() if args.legend is None else args.legend
     if checkpoints and legend:
@@ -185,6 +186,19 @@ def _lossy(params: dict[str, Any] | None) -> str:
     if params is None:
         return "-"
     return ",".join(f"{k}={json.dumps(v)}" for k, v in params.items())
+
+
+def _pairing(pairing: dict[str, Any] | None) -> str:
+    """What a lossy save paired, as ``ls`` shows it after the parameters: the fp32 weights
+    (and their bytes) paired with their Adam moments, paired without, and left exact;
+    nothing for a checkpoint no lossy save was asked for (docs/lossy.md)."""
+    if pairing is None:
+        return ""
+    parts = [
+        f"{pairing.get(k, 0)} ({_human(int(pairing.get(f'{k}_bytes', 0)))})"
+        for k in ("with_moments", "without_moments", "exact")
+    ]
+    return f"  [paired: {' / '.join(parts)}]"
 
 
 def _pin(args: argparse.Namespace) -> int:

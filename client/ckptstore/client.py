@@ -23,7 +23,7 @@ import builtins
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
@@ -49,6 +49,7 @@ from ckptstore_core.lossy import Lossy
 from ckptstore_core.names import check_run_name
 from ckptstore_core.records import (
     LOSSY_KEY,
+    PARAM_NAMES_KEY,
     USER_METADATA_KEY,
     CheckpointInfo,
     RunDetail,
@@ -59,6 +60,8 @@ from ckptstore_core.retention import KeepBest, RetentionPolicy
 from ckptstore_core.wire import FORMAT, Header, TensorPiece, encode_header
 
 if TYPE_CHECKING:
+    import torch
+
     from ckptstore.direct import DirectWriter
     from ckptstore.staging import AsyncSaver
     from ckptstore.state import FlatState
@@ -191,6 +194,8 @@ class CheckpointClient:
         metadata: Mapping[str, Any] | None = None,
         progress: bool | None = None,
         lossy: bool | Lossy | None = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     ) -> CheckpointInfo:
         """Store ``state`` (a nested state dict) as checkpoint ``step`` of ``run``.
 
@@ -205,13 +210,23 @@ class CheckpointClient:
         bytes every time, but not to the bytes saved; its listing's ``lossy`` says so
         (None: bit-exact). Bad parameters raise InvalidRequest before anything is sent
         (docs/lossy.md).
+
+        ``model`` and ``optimizer`` (one or a list): the live objects whose state dicts
+        ``state`` holds. The save then records which of the optimizer's parameter ids is
+        which of the model's parameters (``ckptstore.param_names``), so that a lossy save
+        (or a later archival) pairs every weight with its Adam moments whatever the param
+        groups' order; without them only what the state itself proves is paired
+        (docs/lossy.md#which-weights-pair). The checkpoint's listing's ``pairing`` says what
+        was paired.
         """
         check_run_name(run)  # before the state is flattened
         text = None if metadata is None else encode_user_metadata(metadata)
         asked = lossy_text(lossy)
-        from ckptstore.state import flatten
+        from ckptstore.state import flatten, param_names
 
-        return self._upload(run, step, flatten(state), progress, text, asked)
+        flat = flatten(state)
+        names = param_names(model, optimizer, flat)
+        return self._upload(run, step, flat, progress, text, asked, names)
 
     def save_async(
         self,
@@ -222,6 +237,8 @@ class CheckpointClient:
         metadata: Mapping[str, Any] | None = None,
         progress: bool | None = None,
         lossy: bool | Lossy | None = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     ) -> Future[CheckpointInfo]:
         """Start saving ``state`` as checkpoint ``step`` of ``run``; return once it is copied.
 
@@ -237,8 +254,9 @@ class CheckpointClient:
         ``KeyboardInterrupt`` while waiting or copying): a state that cannot be flattened, a
         service still down after ``retries`` (:class:`~ckptstore_core.errors.ServiceUnavailable`),
         a conflicting step -- each is set on the returned future and logged as a warning on
-        the ``ckptstore`` logger (metadata that is no small JSON object too). ``metadata``
-        and ``lossy``: as for :meth:`save` (bad lossy parameters raise here). The buffers
+        the ``ckptstore`` logger (metadata that is no small JSON object too). ``metadata``,
+        ``lossy``, ``model`` and ``optimizer``: as for :meth:`save` (bad lossy parameters
+        raise here). The buffers
         hold one host copy of the state's tensors until :meth:`close`. The future's
         done-callbacks run on the upload thread: calling ``save_async``, :meth:`wait` or
         :meth:`close` from one raises ``RuntimeError``.
@@ -257,7 +275,7 @@ class CheckpointClient:
                 if self._saver is None:
                     self._saver = AsyncSaver(self._upload)
                 saver = self._saver
-        return saver.submit(run, step, state, progress, metadata, asked)
+        return saver.submit(run, step, state, progress, metadata, asked, model, optimizer)
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Wait for the last :meth:`save_async` to finish and return its checkpoint.
@@ -404,10 +422,12 @@ class CheckpointClient:
         progress: bool | None,
         metadata: str | None = None,
         lossy: str | None = None,
+        names: str | None = None,
     ) -> CheckpointInfo:
         """The one save path (``save`` and ``save_async``): stream the flattened state with
-        the user's ``metadata`` (encoded JSON) and the ``lossy`` parameters asked for (JSON,
-        :func:`lossy_text`), retrying as configured."""
+        the user's ``metadata`` (encoded JSON), the ``lossy`` parameters asked for (JSON,
+        :func:`lossy_text`) and the parameter ``names`` (JSON,
+        :func:`ckptstore.state.param_names`), retrying as configured."""
         from ckptstore.state import dtype_to_wire, tensor_bytes, upload_order
 
         ordered = upload_order(flat.tensors)
@@ -421,6 +441,8 @@ class CheckpointClient:
             return self._save_direct(run, step, specs, [t for _, t in ordered], stored)
         if lossy is not None:
             stored[LOSSY_KEY] = lossy
+        if names is not None:
+            stored[PARAM_NAMES_KEY] = names
         prefix, header = encode_header(specs, stored)
         show = self.progress if progress is None else progress
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from typing import Any
@@ -39,14 +39,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptstore.state import FlatState, flatten
+from ckptstore.state import FlatState, flatten, param_names
 from ckptstore_core.records import CheckpointInfo, encode_user_metadata
 
 __all__ = ["AsyncSaver", "StagingBuffers"]
 
 logger = logging.getLogger("ckptstore")
 
-Upload = Callable[[str, int, FlatState, bool | None, str | None, str | None], CheckpointInfo]
+Upload = Callable[
+    [str, int, FlatState, bool | None, str | None, str | None, str | None], CheckpointInfo
+]
 
 
 # CPU copies are split over up to this many threads (the caller's included) once a state
@@ -224,16 +226,22 @@ class AsyncSaver:
         progress: bool | None,
         metadata: Mapping[str, Any] | None = None,
         lossy: str | None = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     ) -> Future[CheckpointInfo]:
         """Stage ``state`` and start its upload; returns once the state is copied.
-        ``lossy``: the lossy parameters asked for, as the save sends them (JSON)."""
+        ``lossy``: the lossy parameters asked for, as the save sends them (JSON); ``model``
+        and ``optimizer``: the live objects, named as :meth:`CheckpointClient.save` names
+        them (before the copy: the state's own tensors say which one is a parameter)."""
         self._refuse_on_worker("save_async")
         with self._lock:
             if self._last is not None:
                 wait_for([self._last])
             try:
                 text = None if metadata is None else encode_user_metadata(metadata)
-                flat = self._staging.stage(flatten(state))
+                flat = flatten(state)
+                names = param_names(model, optimizer, flat)
+                flat = self._staging.stage(flat)
             except Exception as exc:
                 # an unflattenable state, a failed device copy: the future says so, the
                 # training loop goes on (as it would for a failed upload)
@@ -246,7 +254,7 @@ class AsyncSaver:
                 # a ThreadPoolExecutor's workers are joined at interpreter exit, so an upload
                 # in flight then is finished, not cut off
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-save")
-            future = self._executor.submit(self._run, run, step, flat, progress, text, lossy)
+            future = self._executor.submit(self._run, run, step, flat, progress, text, lossy, names)
             self._last = future
             return future
 
@@ -258,10 +266,11 @@ class AsyncSaver:
         progress: bool | None,
         metadata: str | None,
         lossy: str | None,
+        names: str | None = None,
     ) -> CheckpointInfo:
         self._worker = threading.get_ident()
         try:
-            return self._upload(run, step, flat, progress, metadata, lossy)
+            return self._upload(run, step, flat, progress, metadata, lossy, names)
         except Exception as exc:
             logger.warning("ckptstore: save_async of %s/%s failed: %s", run, step, exc)
             raise

@@ -76,6 +76,7 @@ __all__ = [
     "FlatState",
     "DTYPE_TO_NAME",
     "NAME_TO_DTYPE",
+    "param_names",
 ]
 
 SKELETON_VERSION: Final = 1
@@ -369,20 +370,8 @@ class _Flattener:
         if t.dtype not in _TO_WIRE:
             raise TypeError(f"unsupported tensor dtype {t.dtype} at {_show(path)}")
         original, t = t, t.detach()
-        storage = t.untyped_storage()
-        identity: tuple[object, ...]
-        if storage.nbytes() and storage.data_ptr():
-            identity = (
-                t.device,
-                storage.data_ptr(),
-                t.storage_offset(),
-                tuple(t.shape),
-                t.stride(),
-                t.dtype,
-            )
-        else:
-            # No bytes to compare by: only the very same object counts as tied.
-            identity = ("object", id(original))
+        # No bytes to compare by: only the very same object counts as tied.
+        identity = _identity(t) or ("object", id(original))
         self._keepalive.append(original)
         name = self._by_identity.get(identity)
         if name is None:
@@ -757,3 +746,57 @@ def referenced_tensors(skeleton: str, prefix: str | None = None) -> list[str]:
     except RecursionError:
         raise ValueError("malformed skeleton: nested too deeply") from None
     return list(names)
+
+
+# ------------------------------------------------------------------------ parameter names
+
+
+def param_names(
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+    flat: FlatState | None = None,
+) -> str | None:
+    """What a save says about its state's parameters (``ckptstore.param_names``, the JSON of
+    :class:`ckptstore_core.lossy.ParamNames`), from the live objects: per optimizer, per
+    param group, the ``model.named_parameters()`` name of each parameter, in the order whose
+    positions ``optimizer.state_dict()`` numbers as its integer ids (group after group), by
+    identity: exact whatever the groups' order; every parameter name of the model; and,
+    with the flattened state ``flat``, the tensor of it that is each parameter itself (same
+    storage, offset, shape, strides: ``model.state_dict()`` holds such views), where it is
+    there (not a copy). None when neither model nor optimizer is given."""
+    if model is None and optimizer is None:
+        return None
+    from ckptstore_core.lossy import ParamNames
+
+    named: dict[int, str] = {}
+    if model is not None:
+        for name, p in model.named_parameters():  # a tied parameter: its first name
+            named.setdefault(id(p), name)
+    if optimizer is None:
+        optimizers: list[torch.optim.Optimizer] = []
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        optimizers = [optimizer]
+    else:
+        optimizers = list(optimizer)
+    groups = tuple(
+        tuple(tuple(named.get(id(p)) for p in g["params"]) for g in opt.param_groups)
+        for opt in optimizers
+    )
+    tensors: tuple[tuple[str, str], ...] = ()
+    if flat is not None and model is not None:
+        by_identity = {_identity(t): name for name, t in flat.tensors}
+        by_identity.pop(None, None)
+        own = ((n, by_identity.get(_identity(p.detach()))) for n, p in model.named_parameters())
+        tensors = tuple((n, t) for n, t in own if t is not None)
+    out = ParamNames(groups, tuple(named.values()), tensors)
+    return json.dumps(out.to_json(), separators=(",", ":"))
+
+
+def _identity(t: torch.Tensor) -> tuple[object, ...] | None:
+    """Where a strided tensor's bytes are: two tensors with the same identity are the same
+    tensor (tied weights, a parameter and its ``state_dict`` view). None: no storage to
+    compare by."""
+    storage = t.untyped_storage()
+    if not (storage.nbytes() and storage.data_ptr()):
+        return None
+    return (t.device, storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)

@@ -53,7 +53,7 @@ import json
 import math
 import struct
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -67,11 +67,14 @@ __all__ = [
     "MIN_ELEMENTS",
     "Lossy",
     "Pair",
+    "Pairing",
+    "ParamNames",
     "Role",
     "STEP",
     "decode",
     "encode",
     "pair_tensors",
+    "pairing",
 ]
 
 #: Codec spec of a lossy chain link.
@@ -520,10 +523,33 @@ def _uniform_head(body: memoryview, n: int) -> _Head:
 
 
 # -- pairing ---------------------------------------------------------------------------
+#
+# Which fp32 tensor is the weight whose Adam moments ``optimizer/state/<key>`` holds. A wrong
+# pairing must be impossible and a missed one visible (issue 30): a weight is paired only
+# where the state (or the caller) proves which one it is, every other fp32 weight stays
+# exact and is counted as such in the checkpoint's listing (:class:`Pairing`).
+#
+# What proves it, per optimizer ``state_dict`` found in the state:
+#
+# * FQN keys (``torch.distributed.checkpoint.state_dict``): the key names the parameter;
+# * integer ids with ``param_names`` in the ``param_groups`` (torch records them for an
+#   optimizer built from ``named_parameters()``): id -> name, exact;
+# * integer ids named by the caller (``ckptstore.param_names`` in the header's metadata,
+#   :class:`ParamNames`, computed by the client from the live model and optimizer): the
+#   same, for the one optimizer of the state whose groups have the sizes named;
+# * integer ids alone: a parameter whose moments' shape no other parameter of that
+#   optimizer has, and that exactly one fp32 weight of the state has. Order is no proof:
+#   groups (decay/no-decay, per layer) list the ids in any order.
+#
+# A name is matched to the fp32 tensor under that key in the mapping that holds every name
+# of the optimizer (the model's ``state_dict``), if exactly one mapping does; else to the one
+# tensor under that key in the whole state, if there is one. A weight two optimizers claim,
+# or whose moments do not have its shape, stays exact.
 
 #: Buffers that sit among a module's fp32 parameters in ``model.state_dict()`` and are
 #: not parameters (BatchNorm's running statistics): never weights, never lossy.
 _BUFFER_NAMES = ("running_mean", "running_var")
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -533,6 +559,94 @@ class Pair:
     weight: str
     exp_avg: str | None
     exp_avg_sq: str | None
+
+
+@dataclass(frozen=True)
+class ParamNames:
+    """What the caller says about the state's parameters (``ckptstore.param_names``): per
+    optimizer, per param group, the name (``named_parameters()``) of each parameter in
+    ``params`` order (None: not the model's), every parameter name of the model (its
+    weights without moments: frozen parameters), and the tensor (its name in the save) that
+    is the parameter itself, where the state holds the live parameter (then no other
+    mapping holding the same names, an EMA copy say, makes it ambiguous). JSON:
+    ``{"optimizers": [[[name|null, ...], ...], ...], "params": [name, ...],
+    "tensors": {name: tensor name}}``."""
+
+    optimizers: tuple[tuple[tuple[str | None, ...], ...], ...] = ()
+    params: tuple[str, ...] = ()
+    tensors: tuple[tuple[str, str], ...] = ()
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "optimizers": [[list(g) for g in groups] for groups in self.optimizers],
+            "params": list(self.params),
+            "tensors": dict(self.tensors),
+        }
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ParamNames:
+        """Parsed from the metadata's text; InvalidRequest for anything else."""
+        bad = InvalidRequest(
+            'ckptstore.param_names must be {"optimizers": [[[name|null, ...], ...], ...], '
+            '"params": [name, ...], "tensors": {name: tensor name}}'
+        )
+        try:
+            obj = json.loads(text)
+        except (ValueError, RecursionError):
+            raise bad from None
+        if not isinstance(obj, dict) or not set(obj) <= {"optimizers", "params", "tensors"}:
+            raise bad
+        optimizers, params = obj.get("optimizers", []), obj.get("params", [])
+        tensors = obj.get("tensors", {})
+        if not isinstance(tensors, dict) or not all(isinstance(t, str) for t in tensors.values()):
+            raise bad
+        if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+            raise bad
+        if not isinstance(optimizers, list):
+            raise bad
+        out = []
+        for groups in optimizers:
+            if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
+                raise bad
+            if not all(n is None or isinstance(n, str) for g in groups for n in g):
+                raise bad
+            out.append(tuple(tuple(g) for g in groups))
+        return cls(tuple(out), tuple(params), tuple(tensors.items()))
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """What :func:`pairing` found: the paired weights (with their moments, or without:
+    weights-only pruning), the fp32 weights left exact, and how the state was read
+    (``layout``, for the checkpoint's listing and the warning of a save that paired
+    nothing)."""
+
+    pairs: list[Pair]
+    exact: list[str]
+    layout: str
+    optimizer: bool  # the state holds an optimizer state_dict
+    nbytes: Mapping[str, int]  # of each weight named above
+
+    def summary(self) -> dict[str, object]:
+        """The listing's ``pairing``: how many weights (and their bytes) were paired with
+        moments, paired without, and left exact, the layout, and whether the state holds
+        an optimizer."""
+        with_m = [p.weight for p in self.pairs if p.exp_avg is not None]
+        without = [p.weight for p in self.pairs if p.exp_avg is None]
+        out: dict[str, object] = {}
+        for key, names in (("with_moments", with_m), ("without_moments", without)):
+            out[key] = len(names)
+            out[f"{key}_bytes"] = sum(self.nbytes[n] for n in names)
+        out["exact"] = len(self.exact)
+        out["exact_bytes"] = sum(self.nbytes[n] for n in self.exact)
+        out["layout"] = self.layout
+        out["optimizer"] = self.optimizer
+        return out
+
+    @property
+    def paired_nothing(self) -> bool:
+        """An optimizer is there, yet no weight was paired with its moments."""
+        return self.optimizer and not any(p.exp_avg is not None for p in self.pairs)
 
 
 @dataclass
@@ -546,8 +660,14 @@ class _Leaf:
 @dataclass
 class _Optimizer:
     index: int  # walk index of the optimizer's mapping
-    params: list[object]  # param_groups' "params", in order (ints or FQNs)
+    path: str  # where it sits in the state (keys joined with "/")
+    groups: list[list[object]]  # each param group's "params", in order (ints or FQNs)
+    names: list[list[str | None]] | None  # each group's "param_names", where all have them
     state: dict[object, dict[str, str]]  # key -> {"exp_avg": name, "exp_avg_sq": name, ...}
+
+    @property
+    def params(self) -> list[object]:
+        return [p for g in self.groups for p in g]
 
 
 def _items(node: object) -> list[tuple[object, object]] | None:
@@ -569,13 +689,16 @@ def _sequence(node: object) -> list[object] | None:
 
 
 def _tensor_name(node: object) -> str | None:
-    if isinstance(node, dict) and node.get("t") == "tensor" and isinstance(node.get("n"), str):
-        name: str = node["n"]
-        return name
-    if isinstance(node, dict) and node.get("t") == "ndarray" and isinstance(node.get("n"), str):
-        name = node["n"]
-        return name
+    if isinstance(node, dict) and node.get("t") in ("tensor", "ndarray"):
+        name = node.get("n")
+        return name if isinstance(name, str) else None
     return None
+
+
+def _key(key: object) -> object:
+    """A skeleton key as the state had it: ints stay ints (``{"t": "int"}`` beyond 2**53
+    is no parameter id)."""
+    return key if isinstance(key, str | int) and not isinstance(key, bool) else None
 
 
 class _Walk:
@@ -585,9 +708,11 @@ class _Walk:
         self.leaves: list[_Leaf] = []
         self.optimizers: list[_Optimizer] = []
         self._count = 0
-        self._visit(root, None, -1, ())
+        self._visit(root, None, -1, (), "")
 
-    def _visit(self, node: object, key: object, parent: int, inside: tuple[int, ...]) -> None:
+    def _visit(
+        self, node: object, key: object, parent: int, inside: tuple[int, ...], path: str
+    ) -> None:
         name = _tensor_name(node)
         if name is not None:
             self.leaves.append(_Leaf(name, key, parent, inside))
@@ -596,176 +721,229 @@ class _Walk:
         if items is not None:
             index = self._count
             self._count += 1
-            opt = _optimizer(index, items)
+            opt = _optimizer(index, path, items)
             if opt is not None:
                 self.optimizers.append(opt)
             for k, v in items:
-                self._visit(v, k, index, (*inside, index))
+                self._visit(v, _key(k), index, (*inside, index), f"{path}/{k}".lstrip("/"))
             return
         seq = _sequence(node)
         if seq is not None:
-            for v in seq:
-                self._visit(v, None, parent, inside)
+            for i, v in enumerate(seq):
+                self._visit(v, None, parent, inside, f"{path}/{i}".lstrip("/"))
 
 
-def _optimizer(index: int, items: list[tuple[object, object]]) -> _Optimizer | None:
+def _fields(node: object) -> dict[str, object] | None:
+    items = _items(node)
+    return None if items is None else {k: v for k, v in items if isinstance(k, str)}
+
+
+def _optimizer(index: int, path: str, items: list[tuple[object, object]]) -> _Optimizer | None:
     """An optimizer's ``state_dict`` (a mapping with ``state`` and ``param_groups``)."""
     fields = {k: v for k, v in items if isinstance(k, str)}
     state_items = _items(fields.get("state"))
     groups = _sequence(fields.get("param_groups"))
     if state_items is None or groups is None:
         return None
-    params: list[object] = []
+    params: list[list[object]] = []
+    names: list[list[str | None]] | None = []
     for group in groups:
-        group_items = _items(group)
-        if group_items is None:
+        g = _fields(group)
+        ids = None if g is None else _sequence(g.get("params"))
+        if g is None or ids is None:
             return None
-        ids = _sequence(dict((k, v) for k, v in group_items if isinstance(k, str)).get("params"))
-        if ids is None:
-            return None
-        params += [p for p in ids if isinstance(p, int | str) and not isinstance(p, bool)]
+        params.append([_key(p) for p in ids])
+        group_names = _sequence(g.get("param_names"))
+        if names is not None and group_names is not None and len(group_names) == len(ids):
+            names.append([n if isinstance(n, str) else None for n in group_names])
+        else:
+            names = None
     state: dict[object, dict[str, str]] = {}
     for key, entry in state_items:
         entry_items = _items(entry)
         if entry_items is None:
             continue
-        names = {k: _tensor_name(v) for k, v in entry_items if isinstance(k, str)}
-        state[key] = {k: n for k, n in names.items() if n is not None}
-    return _Optimizer(index, params, state)
+        found = {k: _tensor_name(v) for k, v in entry_items if isinstance(k, str)}
+        state[_key(key)] = {k: n for k, n in found.items() if n is not None}
+    return _Optimizer(index, path, params, names if groups else None, state)
 
 
-def pair_tensors(
-    tensors: Sequence[tuple[str, str, tuple[int, ...]]], skeleton: object
-) -> list[Pair]:
+class _Pairer:
+    """One :func:`pairing` (see the comment above :class:`Pair`)."""
+
+    def __init__(
+        self,
+        tensors: Sequence[tuple[str, str, tuple[int, ...]]],
+        walk: _Walk,
+        names: ParamNames | None,
+    ) -> None:
+        self.info = {name: (dtype, tuple(shape)) for name, dtype, shape in tensors}
+        self.walk = walk
+        self.names = names or ParamNames()
+        inside = {o.index for o in walk.optimizers}
+        seen: set[str] = set()
+        #: fp32 weights outside every optimizer (first mention), in state order
+        self.weights: list[_Leaf] = []
+        for leaf in walk.leaves:
+            if leaf.name in seen or any(i in inside for i in leaf.inside):
+                continue
+            seen.add(leaf.name)
+            key = leaf.key if isinstance(leaf.key, str) else ""
+            if self.f32(leaf.name) and not key.endswith(_BUFFER_NAMES):
+                self.weights.append(leaf)
+        self.by_tensor = {leaf.name: leaf for leaf in self.weights}
+        self.caller = self._caller_names()
+
+    def f32(self, name: str | None) -> bool:
+        return name is not None and self.info.get(name, ("", ()))[0] == "F32"
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.info[name][1]
+
+    def _caller_names(self) -> dict[int, list[list[str | None]]]:
+        """The caller's names per optimizer (walk index): for each named optimizer, the one
+        integer-keyed optimizer of the state whose groups have its sizes, if only one has."""
+        out: dict[int, list[list[str | None]]] = {}
+        for groups in self.names.optimizers:
+            sizes = [len(g) for g in groups]
+            fits = [
+                o
+                for o in self.walk.optimizers
+                if [len(g) for g in o.groups] == sizes and all(isinstance(p, int) for p in o.params)
+            ]
+            if len(fits) == 1 and fits[0].index not in out:
+                out[fits[0].index] = [list(g) for g in groups]
+        return out
+
+    def _by_name(self, names: list[str]) -> dict[str, _Leaf]:
+        """Each name's weight: the tensor the caller says is that parameter; else the one
+        under that key in the mapping holding all the names found, if one mapping does; else
+        the one under that key in the whole state, if only one."""
+        told = {n: self.by_tensor[t] for n, t in self.names.tensors if t in self.by_tensor}
+        holders: dict[str, list[_Leaf]] = {}
+        for leaf in self.weights:
+            if isinstance(leaf.key, str):
+                holders.setdefault(leaf.key, []).append(leaf)
+        wanted = [n for n in names if n in holders and n not in told]
+        out = {n: told[n] for n in names if n in told}
+        if not wanted:
+            return out
+        common = set.intersection(*({leaf.parent for leaf in holders[n]} for n in wanted))
+        if len(common) == 1:
+            (parent,) = common
+            out |= {n: next(x for x in holders[n] if x.parent == parent) for n in wanted}
+        else:
+            out |= {n: holders[n][0] for n in wanted if len(holders[n]) == 1}
+        return out
+
+    def _by_shape(self, opt: _Optimizer) -> dict[object, _Leaf]:
+        """Integer ids alone: the ids whose moments' shape is the optimizer's only one of
+        that shape, matched to the state's only fp32 weight of that shape."""
+        ids: dict[tuple[int, ...], list[object]] = {}
+        for key in opt.params:
+            m = opt.state.get(key, {}).get("exp_avg")
+            if m is not None and m in self.info:
+                ids.setdefault(self.shape(m), []).append(key)
+        leaves: dict[tuple[int, ...], list[_Leaf]] = {}
+        for leaf in self.weights:
+            leaves.setdefault(self.shape(leaf.name), []).append(leaf)
+        return {
+            keys[0]: leaves[shape][0]
+            for shape, keys in ids.items()
+            if len(keys) == 1 and len(leaves.get(shape, [])) == 1
+        }
+
+    def match(self, opt: _Optimizer) -> tuple[dict[object, _Leaf], str]:
+        """The optimizer's parameters (their keys in ``state``) matched to weights, and how."""
+        where = f"optimizer {opt.path or '(the root)'!r}"
+        groups = f"{len(opt.groups)} param group{'s' * (len(opt.groups) != 1)}"
+        keys = opt.params
+        if keys and all(isinstance(k, str) for k in keys):
+            found = self._by_name([str(k) for k in keys])
+            return {k: found[k] for k in keys if isinstance(k, str) and k in found}, (
+                f"{where}: FQN keys, {groups}"
+            )
+        named = opt.names
+        how = "integer ids with param_names"
+        if named is None and opt.index in self.caller:
+            named, how = self.caller[opt.index], "integer ids named by the caller"
+        if named is not None:
+            by_id = {
+                k: n
+                for ids, ns in zip(opt.groups, named, strict=True)
+                for k, n in zip(ids, ns, strict=True)
+                if n is not None
+            }
+            found = self._by_name(list(by_id.values()))
+            return {
+                k: found[n] for k, n in by_id.items() if n in found
+            }, f"{where}: {how}, {groups}"
+        return self._by_shape(opt), (
+            f"{where}: integer ids without param_names, {groups} (paired by unique shapes "
+            "only: pass the model and optimizer to the save, or build the optimizer from "
+            "named_parameters())"
+        )
+
+    def run(self) -> Pairing:
+        nbytes = {leaf.name: 4 * math.prod(self.shape(leaf.name)) for leaf in self.weights}
+        if not self.walk.optimizers:
+            pairs = [Pair(leaf.name, None, None) for leaf in self.weights]
+            return Pairing(pairs, [], "no optimizer (weights only)", False, nbytes)
+        claims: dict[str, list[Pair | None]] = {}
+        layouts = []
+        for opt in self.walk.optimizers:
+            matched, layout = self.match(opt)
+            layouts.append(layout)
+            for key, leaf in matched.items():
+                claims.setdefault(leaf.name, []).append(self._pair(leaf.name, opt, key))
+        for leaf in self._by_name(list(self.names.params)).values():  # the caller's model's
+            claims.setdefault(leaf.name, [Pair(leaf.name, None, None)])
+        pairs, exact = [], []
+        for leaf in self.weights:
+            found = claims.get(leaf.name, [])
+            if len(found) == 1 and found[0] is not None:
+                pairs.append(found[0])
+            else:  # unclaimed, claimed twice, or moments that do not fit it
+                exact.append(leaf.name)
+        return Pairing(pairs, exact, "; ".join(layouts), True, nbytes)
+
+    def _pair(self, weight: str, opt: _Optimizer, key: object) -> Pair | None:
+        """The weight with the moments of ``key``; without any if it has no Adam state (a
+        frozen parameter); None if its moments cannot be this weight's."""
+        state = opt.state.get(key, {})
+        m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+        if m is None or v is None:  # no Adam state (frozen, or another optimizer)
+            return Pair(weight, None, None)
+        if not all(self.f32(x) and self.shape(x) == self.shape(weight) for x in (m, v)):
+            return None
+        return Pair(weight, m, v)
+
+
+def pairing(
+    tensors: Sequence[tuple[str, str, tuple[int, ...]]],
+    skeleton: object,
+    names: ParamNames | str | None = None,
+) -> Pairing:
     """Which F32 weights go with which Adam moments, torch-free, from the tensor names
-    ``(name, dtype, shape)`` and the parsed skeleton JSON (``{"v": 1, "root": ...}``, its
-    root, or its text).
-
-    Layouts: a plain ``model.state_dict()`` + ``optimizer.state_dict()`` under any keys
-    (optimizer state keyed by integer ids, matched to parameters through ``param_groups``'
-    ``params`` order against the fp32 tensors of a mapping beside the optimizer, in order,
-    skipping BatchNorm-style buffers and checked by shape); and FQN-keyed states
-    (``torch.distributed.checkpoint.state_dict``: ``optim/state/<fqn>/exp_avg`` with the
-    tensor keyed ``<fqn>`` outside the optimizer). Weights with no Adam state (no optimizer
-    in the state, a frozen parameter, an optimizer that is not Adam-like): ``Pair(w, None,
-    None)``, weights-only pruning. Unpairable or non-F32 tensors, buffers, and fp32 tensors
-    that an optimizer present does not account for: not in the result (lossless).
-    """
+    ``(name, dtype, shape)``, the parsed skeleton JSON (``{"v": 1, "root": ...}``, its
+    root, or its text) and what the caller says (``names``: :class:`ParamNames` or its JSON
+    text, ``ckptstore.param_names``); see the comment above :class:`Pair` for what proves a
+    pair. Without an optimizer in the state every fp32 weight is paired without moments
+    (weights-only pruning). Weights: the fp32 tensors outside every optimizer, BatchNorm
+    running statistics excepted; every one is either in ``pairs`` or in ``exact``."""
     if isinstance(skeleton, str | bytes):
         skeleton = json.loads(skeleton)
     if isinstance(skeleton, dict) and "root" in skeleton and "t" not in skeleton:
         skeleton = skeleton["root"]
-    info = {name: (dtype, tuple(shape)) for name, dtype, shape in tensors}
-    walk = _Walk(skeleton)
-    in_optimizer = {o.index for o in walk.optimizers}
-
-    def f32(name: str | None) -> bool:
-        return name is not None and info.get(name, ("", ()))[0] == "F32"
-
-    def same_shape(a: str, b: str | None) -> bool:
-        return b is not None and info[a][1] == info[b][1]
-
-    seen: set[str] = set()
-    candidates: list[_Leaf] = []  # fp32 weights outside every optimizer, first mention
-    for leaf in walk.leaves:
-        if leaf.name in seen or any(i in in_optimizer for i in leaf.inside):
-            continue
-        seen.add(leaf.name)
-        key = leaf.key if isinstance(leaf.key, str) else ""
-        if f32(leaf.name) and not key.endswith(_BUFFER_NAMES):
-            candidates.append(leaf)
-    if not walk.optimizers:
-        return [Pair(leaf.name, None, None) for leaf in candidates]
-
-    pairs: dict[str, Pair] = {}
-    covered: set[int] = set()  # mappings whose weights an optimizer accounted for
-    for opt in walk.optimizers:
-        matched = _match(opt, candidates, info)
-        if matched is None:
-            continue
-        for leaf, pkey in matched:
-            covered.add(leaf.parent)
-            moments = opt.state.get(pkey, {})
-            m, v = moments.get("exp_avg"), moments.get("exp_avg_sq")
-            if f32(m) and f32(v) and same_shape(leaf.name, m) and same_shape(leaf.name, v):
-                pairs.setdefault(leaf.name, Pair(leaf.name, m, v))
-            else:
-                pairs.setdefault(leaf.name, Pair(leaf.name, None, None))
-    if not pairs:  # no optimizer could be matched: weights-only, as without one
-        return [Pair(leaf.name, None, None) for leaf in candidates]
-    out = []
-    for leaf in candidates:
-        if leaf.name in pairs:
-            out.append(pairs[leaf.name])
-        elif leaf.parent in covered:
-            out.append(Pair(leaf.name, None, None))  # a frozen parameter of the model
-    return out
+    if isinstance(names, str):
+        names = ParamNames.from_json(names)
+    return _Pairer(tensors, _Walk(skeleton), names).run()
 
 
-def _match(
-    opt: _Optimizer, candidates: list[_Leaf], info: Mapping[str, tuple[str, tuple[int, ...]]]
-) -> list[tuple[_Leaf, object]] | None:
-    """Each of the optimizer's parameters (its key in ``state``) with its weight, or None."""
-    if not opt.params:
-        return None
-    shapes: dict[object, tuple[int, ...] | None] = {}
-    for key in opt.params:
-        name = opt.state.get(key, {}).get("exp_avg")
-        shapes[key] = info[name][1] if name is not None and name in info else None
-    if all(isinstance(k, str) for k in opt.params):  # FQN-keyed
-        by_key: dict[str, _Leaf] = {}
-        for leaf in candidates:
-            if isinstance(leaf.key, str):
-                by_key.setdefault(leaf.key, leaf)
-        out: list[tuple[_Leaf, object]] = []
-        for key in opt.params:
-            found = by_key.get(str(key))
-            if found is not None and shapes[key] in (None, info[found.name][1]):
-                out.append((found, key))
-        return out or None
-    # integer ids: the parameters of some mapping beside the optimizer, in order
-    for container in _containers(candidates):
-        matched = _align(opt.params, shapes, container, info)
-        if matched is not None:
-            return matched
-    return None
-
-
-def _containers(candidates: list[_Leaf]) -> Iterator[list[_Leaf]]:
-    """Per mapping that holds fp32 weights (outermost first), its weights in order."""
-    order: list[int] = []
-    members: dict[int, list[_Leaf]] = {}
-    for leaf in candidates:
-        for index in leaf.inside:
-            if index not in members:
-                members[index] = []
-                order.append(index)
-            members[index].append(leaf)
-    for index in sorted(order):
-        yield members[index]
-
-
-def _align(
-    ids: list[object],
-    shapes: Mapping[object, tuple[int, ...] | None],
-    leaves: list[_Leaf],
-    info: Mapping[str, tuple[str, tuple[int, ...]]],
-) -> list[tuple[_Leaf, object]] | None:
-    """``ids`` matched in order to ``leaves`` (skipping leaves whose shape does not fit, as
-    non-parameters), or None when they do not all fit. With as many leaves as ids, one to
-    one."""
-    if len(leaves) == len(ids):
-        pairs = list(zip(leaves, ids, strict=True))
-        if all(shapes[i] in (None, info[leaf.name][1]) for leaf, i in pairs):
-            return pairs
-    out: list[tuple[_Leaf, object]] = []
-    pos = 0
-    for key in ids:
-        want = shapes[key]
-        while pos < len(leaves) and want is not None and info[leaves[pos].name][1] != want:
-            pos += 1
-        if pos >= len(leaves):
-            return None
-        out.append((leaves[pos], key))
-        pos += 1
-    return out
+def pair_tensors(
+    tensors: Sequence[tuple[str, str, tuple[int, ...]]],
+    skeleton: object,
+    names: ParamNames | str | None = None,
+) -> list[Pair]:
+    """The pairs of :func:`pairing` alone."""
+    return pairing(tensors, skeleton, names).pairs

@@ -18,6 +18,7 @@ from ckptstore_core.retention import RetentionPolicy
 
 __all__ = [
     "LOSSY_KEY",
+    "PARAM_NAMES_KEY",
     "MAX_USER_METADATA_BYTES",
     "USER_METADATA_KEY",
     "CheckpointInfo",
@@ -37,6 +38,10 @@ MAX_USER_METADATA_BYTES = 64 << 10
 #: default parameters) or a JSON object of parameters (``ckptstore_core.lossy.Lossy``).
 #: Not stored with the checkpoint's metadata: its listing's ``lossy`` says what was done.
 LOSSY_KEY = "ckptstore.lossy"
+#: The save header's metadata key where the client says which optimizer parameter id is
+#: which model parameter (``ckptstore_core.lossy.ParamNames``, JSON; docs/lossy.md): kept
+#: with the checkpoint, so that an archival pairs its weights as the save did.
+PARAM_NAMES_KEY = "ckptstore.param_names"
 
 
 def _no_constant(name: str) -> None:
@@ -146,6 +151,12 @@ class CheckpointInfo(_Record):
     #: ``pending`` (committed, not decoded by the verifier yet; every load still checks each
     #: chunk's checksum), ``verified``, or ``corrupt`` (loads fail with corrupt_data)
     verification: str = "service"
+    #: None: not asked to be lossy. Else what its lossy save (or archival) paired
+    #: (``ckptstore_core.lossy.Pairing.summary()``, docs/lossy.md#which-weights-pair): how
+    #: many fp32 weights, and their bytes, were paired with their Adam moments
+    #: (``with_moments``, ``with_moments_bytes``), paired without (``without_moments...``),
+    #: and left exact (``exact``, ``exact_bytes``), and ``layout``: how the state was read.
+    pairing: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,7 +80,7 @@ def test_db_upgrade(tmp_path: Path) -> None:
     assert "none" in cli("db", "current", "--database-url", url, module=SERVICE).stdout
     done = cli("db", "upgrade", "--database-url", url, module=SERVICE)
     assert done.returncode == 0, done.stderr
-    assert "0008" in done.stdout
+    assert "0012" in done.stdout
 
 
 def test_progress_bars(service: Service, capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,15 +34,15 @@ def test_current_before_anything_exists(tmp_path: Path) -> None:
     done = cli("db", "upgrade", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "ckptstore-data" / "catalog.sqlite3").is_file()
-    assert "0008" in cli("db", "current", cwd=tmp_path).stdout
+    assert "0012" in cli("db", "current", cwd=tmp_path).stdout
 
 
 def test_upgrade_creates_the_folder_of_an_explicit_sqlite_url(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'new' / 'folder' / 'cat.sqlite3'}"
     done = cli("db", "upgrade", cwd=tmp_path, env={"CKPTSTORE_DATABASE_URL": url})
     assert done.returncode == 0, done.stderr
-    assert "0008" in done.stdout
-    assert "0008" in cli("db", "current", "--database-url", url, cwd=tmp_path).stdout
+    assert "0012" in done.stdout
+    assert "0012" in cli("db", "current", "--database-url", url, cwd=tmp_path).stdout
 
 
 def test_unreachable_database_is_a_message_not_a_traceback(tmp_path: Path) -> None:

@@ -91,6 +91,11 @@ def test_lossy_after_converts_exactly_the_old_checkpoints(
     assert lossy_steps(client, "a") == [1, 3, 4]
     infos = {i.step: i for i in client.list("a")}
     assert infos[1].lossy == params.to_json()
+    # what was paired is listed with each converted checkpoint, as a lossy save lists it
+    for step in (1, 3, 4):
+        pairing = infos[step].pairing
+        assert pairing is not None and pairing["with_moments"] >= len(LOSSY_WEIGHTS), step
+    assert infos[2].pairing is None and infos[5].pairing is None
     assert [s for s, i in infos.items() if i.pinned] == [2]
     detail = client.run_info("a")
     assert detail.retention == detail.effective_retention == stored

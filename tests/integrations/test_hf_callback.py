@@ -257,3 +257,22 @@ def test_stored_file_names_cannot_leave_the_folder(tmp_path: Path, name: str) ->
     with pytest.raises(ValueError, match="file name"):
         write_checkpoint_folder(state, tmp_path / "checkpoint-1")
     assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_lossy_saves_pair_the_trainers_two_param_groups(service: Service, tmp_path: Path) -> None:
+    """The Trainer builds AdamW with two groups (decay, no decay): the callback names the
+    optimizer's ids from the live model and optimizer, so every weight of
+    ``model.safetensors`` pairs with its moments (docs/lossy.md#which-weights-pair)."""
+    trainer = make_trainer(tmp_path, CkptStoreCallback(service.url, "hf-lossy", lossy=True))
+    trainer.train()
+    groups = trainer.optimizer.param_groups
+    assert len(groups) == 2
+    n_params = sum(len(g["params"]) for g in groups)
+    with CheckpointClient(service.url) as client:
+        infos = client.list("hf-lossy")
+    assert len(infos) == MAX_STEPS // SAVE_STEPS
+    for info in infos:
+        assert info.pairing is not None, info.step
+        assert (info.pairing["with_moments"], info.pairing["exact"]) == (n_params, 0)
+        assert "integer ids named by the caller, 2 param groups" in info.pairing["layout"]
+    assert all(info.lossy is not None for info in infos[1:])

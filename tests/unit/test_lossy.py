@@ -1,22 +1,18 @@
 """Lossy archival encoding (issue 23): deterministic, bit-exact decode, checksummed chains,
-weights paired with their Adam moments in both state layouts, parameters checked."""
+parameters checked. Pairing weights with their moments: test_lossy_pairing.py."""
 
 from __future__ import annotations
 
 import json
 import struct
-from typing import Any
 
 import numpy as np
 import pytest
-import torch
-from torch import nn
 
-from ckptstore.state import dtype_to_wire, flatten
 from ckptstore_core import codec, lossy
 from ckptstore_core.codec import RAW, checksum, decode_chain, encode_chunk, is_delta
 from ckptstore_core.errors import CorruptData, InvalidRequest
-from ckptstore_core.lossy import LOSSY, Lossy, Pair, decode, encode, pair_tensors
+from ckptstore_core.lossy import LOSSY, Lossy, decode, encode
 
 N = 1 << 16
 
@@ -218,114 +214,3 @@ def test_parameters_json() -> None:
     ):
         with pytest.raises(InvalidRequest):
             Lossy.from_json(bad)
-
-
-# -- pairing ----------------------------------------------------------------------------
-
-
-def _pairs(state: Any) -> tuple[list[Pair], dict[str, torch.Tensor]]:
-    flat = flatten(state)
-    tensors = dict(flat.tensors)
-    table = [(n, dtype_to_wire(t.dtype), tuple(t.shape)) for n, t in flat.tensors]
-    return pair_tensors(table, json.loads(flat.skeleton)), tensors
-
-
-def _trained(model: nn.Module, steps: int = 2) -> torch.optim.Optimizer:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(steps):
-        opt.zero_grad()
-        model(torch.randn(4, 8)).pow(2).mean().backward()
-        opt.step()
-    return opt
-
-
-class _Scale(nn.Module):
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(n))
-
-
-class _Net(nn.Module):
-    """BatchNorm buffers of the same shape as the next module's parameter, a frozen layer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.bn = nn.BatchNorm1d(16)
-        self.post = _Scale(16)  # its parameter comes right after bn's running statistics
-        self.frozen = nn.Linear(16, 16)
-        self.frozen.requires_grad_(False)
-        self.fc2 = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.frozen(self.bn(self.fc1(x)) * self.post.scale))
-
-
-_ADAM = ("fc1.weight", "fc1.bias", "bn.weight", "bn.bias", "post.scale", "fc2.weight", "fc2.bias")
-
-
-def _check_adam_pairs(pairs: list[Pair], tensors: dict[str, torch.Tensor], wprefix: str) -> None:
-    by_weight = {p.weight: p for p in pairs}
-    for name in _ADAM:
-        p = by_weight[f"{wprefix}{name}"]
-        assert p.exp_avg is not None and p.exp_avg_sq is not None
-        assert tensors[p.exp_avg].shape == tensors[p.weight].shape
-    assert {p.weight for p in pairs if p.exp_avg is None} <= {
-        f"{wprefix}frozen.weight",
-        f"{wprefix}frozen.bias",
-    }
-    names = {p.weight for p in pairs}
-    assert not any("running" in n or "num_batches" in n for n in names)
-    moments = {p.exp_avg for p in pairs} | {p.exp_avg_sq for p in pairs}
-    assert len(moments - {None}) == 2 * len(_ADAM)
-
-
-def test_pairs_plain_state_dicts_by_param_groups_order() -> None:
-    torch.manual_seed(0)
-    model = _Net()
-    opt = _trained(model)
-    pairs, tensors = _pairs({"model": model.state_dict(), "optimizer": opt.state_dict()})
-    _check_adam_pairs(pairs, tensors, "model/")
-    by_weight = {p.weight: p for p in pairs}
-    p = by_weight["model/post.scale"]
-    assert p.exp_avg == "optimizer/state/4/exp_avg"  # id 4, not a running statistic
-    # frozen weights have no state: weights-only
-    assert by_weight["model/frozen.weight"] == Pair("model/frozen.weight", None, None)
-    # Lightning-style keys, two parameter groups
-    opt2 = torch.optim.Adam(
-        [
-            {"params": [model.fc1.weight, model.fc1.bias]},
-            {"params": [model.bn.weight, model.bn.bias, model.post.scale, *model.fc2.parameters()]},
-        ]
-    )
-    model(torch.randn(4, 8)).sum().backward()
-    opt2.step()
-    lightning = {"state_dict": model.state_dict(), "optimizer_states": [opt2.state_dict()]}
-    pairs, tensors = _pairs(lightning)
-    _check_adam_pairs(pairs, tensors, "state_dict/")
-
-
-def test_pairs_fqn_keyed_states() -> None:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    torch.manual_seed(0)
-    model = _Net()
-    opt = _trained(model)
-    msd, osd = get_state_dict(model, opt)
-    assert "fc1.weight" in osd["state"]
-    pairs, tensors = _pairs({"model": msd, "optim": osd})
-    _check_adam_pairs(pairs, tensors, "model/")
-    p = {p.weight: p for p in pairs}["model/post.scale"]
-    assert p.exp_avg == "optim/state/post.scale/exp_avg"
-
-
-def test_pairs_without_optimizer_are_weights_only() -> None:
-    torch.manual_seed(0)
-    model = _Net()
-    state = {"model": model.state_dict(), "step": 3, "half": torch.ones(3, dtype=torch.float16)}
-    pairs, _ = _pairs(state)
-    assert all(p.exp_avg is None and p.exp_avg_sq is None for p in pairs)
-    assert {p.weight for p in pairs} == {
-        f"model/{n}" for n, _ in model.named_parameters()
-    }  # buffers and the fp16 tensor stay lossless
-    assert pair_tensors([], {"v": 1, "root": {"t": "dict", "v": []}}) == []

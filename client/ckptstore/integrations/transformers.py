@@ -62,6 +62,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from ckptstore.client import CheckpointClient
 from ckptstore.state import dtype_from_wire, tensor_bytes, tensor_from_bytes
 from ckptstore_core.errors import CheckpointNotFound, RunNotFound
+from ckptstore_core.lossy import Lossy
 from ckptstore_core.records import CheckpointInfo
 
 __all__ = [
@@ -273,6 +274,10 @@ class CkptStoreCallback(TrainerCallback):
     * ``delete_local=True`` removes the local folder once its upload has succeeded (a failed
       upload keeps it). Off by default; refused with ``load_best_model_at_end``, which reads
       the best folder back at the end.
+    * ``lossy``: as ``CheckpointClient.save``'s (docs/lossy.md). Every save records which
+      optimizer id is which of the model's parameters (from the ``model`` and ``optimizer``
+      the ``Trainer`` hands its callbacks), so the Trainer's two param groups pair with
+      the weights of ``model.safetensors`` in a lossy save or a later archival.
     * Only the main process (``state.is_world_process_zero``) uploads. Made for one-process
       training: in a multi-process run other ranks' ``rng_state_<rank>.pth`` files are
       uploaded only if they are there by then; use ``ckptstore.dcp`` for sharded states.
@@ -288,8 +293,10 @@ class CkptStoreCallback(TrainerCallback):
         timeout: float = 120.0,
         retries: int = 5,
         token: str | None = None,
+        lossy: bool | Lossy | None = None,
     ) -> None:
         self.url = url
+        self.lossy = lossy
         self.run = run
         self._token = token  # None: CKPTSTORE_TOKEN, as CheckpointClient
         self.delete_local = delete_local
@@ -329,7 +336,16 @@ class CkptStoreCallback(TrainerCallback):
         step = state.global_step
         folder = Path(args.output_dir or "") / f"{_FOLDER_PREFIX}-{step}"
         checkpoint = read_checkpoint_folder(folder, step)
-        future = self._get_client().save_async(self.run, step, checkpoint)
+        # the live model and optimizer name the optimizer's ids (docs/lossy.md): its
+        # weights pair with their moments in a lossy save or a later archival
+        future = self._get_client().save_async(
+            self.run,
+            step,
+            checkpoint,
+            lossy=self.lossy,
+            model=kwargs.get("model"),
+            optimizer=kwargs.get("optimizer"),
+        )
         del checkpoint  # the staged copy is the client's; let the memory maps go
         self._uploads.append((step, future))
         if self.delete_local:

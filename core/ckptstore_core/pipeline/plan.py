@@ -33,7 +33,7 @@ from ckptstore_core import codec, lossy
 from ckptstore_core.lossy import Lossy
 from ckptstore_core.pipeline.rows import ChunkInfo, TensorInfo
 from ckptstore_core.pipeline.split import RawChunk
-from ckptstore_core.records import LOSSY_KEY
+from ckptstore_core.records import LOSSY_KEY, PARAM_NAMES_KEY
 from ckptstore_core.wire import Header
 
 __all__ = [
@@ -111,10 +111,12 @@ def _no_constant(name: str) -> object:
 @dataclass(frozen=True)
 class LossySave:
     """What a lossy save asks for: its parameters, and the paired tensors of its header
-    (by index): each one's role and the index of its pair's ``exp_avg_sq`` (None: none)."""
+    (by index): each one's role and the index of its pair's ``exp_avg_sq`` (None: none);
+    ``pairing``: what was paired and what was not (the checkpoint's listing says it)."""
 
     params: lossy.Lossy
     roles: dict[int, tuple[lossy.Role, int | None]]
+    pairing: lossy.Pairing | None = None
 
     @classmethod
     def asked(cls, header: Header) -> LossySave | None:
@@ -124,15 +126,20 @@ class LossySave:
         if params is None:
             return None
         skeleton = header.metadata.get("skeleton")
-        return cls.of(header, params, None if skeleton is None else json.loads(skeleton))
+        names = header.metadata.get(PARAM_NAMES_KEY)
+        return cls.of(header, params, None if skeleton is None else json.loads(skeleton), names)
 
     @classmethod
-    def of(cls, header: Header, params: lossy.Lossy, skeleton: object) -> LossySave:
-        """The paired tensors of ``header`` (``skeleton``: its parsed skeleton, or None)."""
+    def of(
+        cls, header: Header, params: lossy.Lossy, skeleton: object, names: str | None = None
+    ) -> LossySave:
+        """The paired tensors of ``header`` (``skeleton``: its parsed skeleton, or None;
+        ``names``: what the client said about its parameters, ``ckptstore.param_names``)."""
         specs = [(t.name, t.dtype, t.shape) for t in header.tensors]
         index = {t.name: i for i, t in enumerate(header.tensors)}
         roles: dict[int, tuple[lossy.Role, int | None]] = {}
-        for pair in lossy.pair_tensors(specs, skeleton):
+        pairing = lossy.pairing(specs, skeleton, names)
+        for pair in pairing.pairs:
             v = None if pair.exp_avg_sq is None else index.get(pair.exp_avg_sq)
             named: list[tuple[lossy.Role, str | None]] = [
                 ("weight", pair.weight),
@@ -148,7 +155,7 @@ class LossySave:
                     and (v is None or header.tensors[v].shape == header.tensors[i].shape)
                 ):
                     roles.setdefault(i, (role, v))
-        return cls(params, roles)
+        return cls(params, roles, pairing)
 
 
 def rests_on_base(encoded_as: str) -> bool:

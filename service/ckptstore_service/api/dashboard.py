@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 from urllib.parse import quote
@@ -195,6 +195,7 @@ border:1px solid #8c959f;border-radius:4px;padding:2px 10px;cursor:pointer}
 @media (max-width:600px){main{padding:12px}header{padding:10px 12px}}
 ul.meta{list-style:none;margin:0;padding:0;font-size:12px}ul.meta code{color:#6639ba}
 .val{word-break:break-all}.key{color:#1a7f37;font-weight:600}
+.pairing{font-size:12px;color:#656d76;white-space:nowrap}.unpaired{color:#cf222e}
 .chart{background:#fff;border:1px solid #d0d7de;margin:0 0 16px;padding:8px}
 .legend span{display:inline-block;margin-right:16px}
 .sw{display:inline-block;width:12px;height:12px;border-radius:2px;vertical-align:-1px;
@@ -322,6 +323,7 @@ def _checkpoint_row(c: CheckpointRecord) -> str:
     )
     if c.lossy is not None:  # never silent: docs/lossy.md
         keyframe += f' <span class="lossy" title="{_e(json.dumps(c.lossy))}">lossy</span>'
+    keyframe += _pairing(c.pairing)
     return (
         f'<tr id="step-{c.step}" data-step="{c.step}">'
         f'<td class="num">{c.step}</td><td class="num">{parent}</td><td>{keyframe}</td>'
@@ -329,6 +331,24 @@ def _checkpoint_row(c: CheckpointRecord) -> str:
         f'<td class="num">{c.tensors}</td>{_bytes_cell(c.raw_bytes)}{_bytes_cell(c.stored_bytes)}'
         f'<td class="num">{ratio(c.raw_bytes, c.stored_bytes)}</td>'
         f'<td>{_time(c.created)}</td><td class="meta">{_metadata(c.metadata)}</td></tr>'
+    )
+
+
+def _pairing(pairing: Mapping[str, Any] | None) -> str:
+    """What a lossy save paired (docs/lossy.md#which-weights-pair): the fp32 weights paired
+    with their Adam moments, paired without, and left exact, the layout in its title; a
+    save that paired none with moments while the state had an optimizer is marked."""
+    if pairing is None:
+        return ""
+    counts = " / ".join(
+        f"{pairing.get(k, 0)} ({human_bytes(int(pairing.get(f'{k}_bytes', 0)))})"
+        for k in ("with_moments", "without_moments", "exact")
+    )
+    unpaired = bool(pairing.get("optimizer")) and not pairing.get("with_moments")
+    title = f"paired with moments / weights only / left exact. {pairing.get('layout', '')}"
+    return (
+        f' <span class="pairing{" unpaired" if unpaired else ""}" title="{_e(title)}">'
+        f"paired {_e(counts)}</span>"
     )
 
 

@@ -302,11 +302,14 @@ class Catalog:
         sibling_bases: Mapping[int, int] | None = None,
         lossy: Mapping[str, Any] | None = None,
         fence: Lease | None = None,
+        pairing: Mapping[str, Any] | None = None,
     ) -> None:
         """Make the checkpoint visible: one transaction, after all its bytes are durable
         (:func:`.uploads.commit`). ``lossy``: the parameters its lossy chunks were encoded
-        with (listed with it), None for a bit-exact checkpoint. ``fence``: the run lock's
-        lease, checked in that transaction (LockLost, nothing committed, if it was lost)."""
+        with (listed with it), None for a bit-exact checkpoint; ``pairing``: what a lossy
+        save paired (``Pairing.summary()``, listed with it), None if none was asked for.
+        ``fence``: the run lock's lease, checked in that transaction (LockLost, nothing
+        committed, if it was lost)."""
         figures = uploads.Figures(
             parent_id,
             keyframe,
@@ -316,6 +319,7 @@ class Catalog:
             stored_bytes,
             metadata,
             lossy,
+            pairing,
         )
         uploads.commit(
             self._db, checkpoint_id, figures, tensors, chunks, sibling_bases or {}, fence

@@ -33,14 +33,16 @@ class ArchiveChanges:
     tensors: Sequence[tuple[int, bytes]]  # (idx, the reconstruction's checksum) of X's tensors
     # whose bytes changed
     rewrite: RerootChanges  # X's chunks, those re-based on them, their checkpoints' figures
+    pairing_json: str | None = None  # what was paired (``Pairing.summary()``, JSON text)
 
 
 def commit_archive(db: Database, run: str, changes: ArchiveChanges) -> None:
     """Make an archival visible, in one transaction, under the run's lock, once every new
     blob is durable: the rewrite's rows (:func:`.garbage.apply_rewrite`: chunks with their
     new checksums, checkpoints' figures, new blobs off the garbage table, replaced ones on
-    it), X's tensors' checksums, X's ``lossy_json``, and ``since_keyframe`` counted again
-    (X may stop being a keyframe, its successor become one). Raises, changing nothing:
+    it), X's tensors' checksums, X's ``lossy_json`` and ``pairing_json``, and
+    ``since_keyframe`` counted again (X may stop being a keyframe, its successor become
+    one). Raises, changing nothing:
     CheckpointNotFound if X is not committed any more, CheckpointPinned if it was pinned
     meanwhile (pinned checkpoints stay bit-exact), CorruptData if X is lossy already or a
     blob changed meanwhile."""
@@ -78,6 +80,8 @@ def commit_archive(db: Database, run: str, changes: ArchiveChanges) -> None:
                 )
             )
         s.execute(
-            update(Checkpoint).where(Checkpoint.id == x).values(lossy_json=changes.lossy_json)
+            update(Checkpoint)
+            .where(Checkpoint.id == x)
+            .values(lossy_json=changes.lossy_json, pairing_json=changes.pairing_json)
         )
         _count_since_keyframe(s, {row.run_id, *_runs_of(s, changes.rewrite)})

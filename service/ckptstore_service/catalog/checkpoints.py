@@ -80,6 +80,7 @@ def _info(row: Any) -> CheckpointRecord:
         pinned=ck.pinned,
         lossy=None if ck.lossy_json is None else json.loads(ck.lossy_json),
         verification=ck.verification,
+        pairing=None if ck.pairing_json is None else json.loads(ck.pairing_json),
     )
 
 

@@ -110,6 +110,9 @@ class Checkpoint(Base):
     lossy_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     # SERVICE, PENDING, VERIFIED or CORRUPT (see above)
     verification: Mapped[str] = mapped_column(String(16), default=SERVICE, server_default=SERVICE)
+    # NULL: not asked to be lossy; else the JSON of what its lossy save or archival paired
+    # (ckptstore_core.lossy.Pairing.summary(), docs/lossy.md#which-weights-pair)
+    pairing_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_now)
     committed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 

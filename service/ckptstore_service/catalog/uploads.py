@@ -66,13 +66,15 @@ class Figures:
     stored_bytes: int
     metadata: dict[str, str]
     lossy: Mapping[str, Any] | None = None  # the lossy parameters; None: bit-exact
+    pairing: Mapping[str, Any] | None = None  # what a lossy save paired; None: not asked
 
     def columns(self) -> dict[str, object]:
         """The checkpoint row's columns, as these figures set them."""
-        json_fields = ("metadata", "lossy")
+        json_fields = ("metadata", "lossy", "pairing")
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in json_fields}
         out["metadata_json"] = json.dumps(self.metadata)
         out["lossy_json"] = None if self.lossy is None else json.dumps(dict(self.lossy))
+        out["pairing_json"] = None if self.pairing is None else json.dumps(dict(self.pairing))
         return out
 
 

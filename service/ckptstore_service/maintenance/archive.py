@@ -63,6 +63,7 @@ import xxhash
 
 from ckptstore_core import codec, lossy
 from ckptstore_core.errors import CheckpointNotFound, CheckpointPinned, RunBusy, RunNotFound
+from ckptstore_core.records import PARAM_NAMES_KEY
 from ckptstore_core.retention import Candidate, RetentionPolicy, lossy_steps
 from ckptstore_service.catalog import Catalog, CheckpointRecord, ChunkInfo, TensorInfo
 from ckptstore_service.catalog.archive import ArchiveChanges
@@ -272,6 +273,7 @@ class _Conversion:
         self.x = x
         self.parent = parent
         self.params = params
+        self.pairing: dict[str, object] | None = None  # what _targets paired
         self.policy = policy
 
     def run(
@@ -364,7 +366,10 @@ class _Conversion:
         skeleton = json.loads(self.x.stored_metadata.get("skeleton", "null"))
         specs = [(t.name, t.dtype, t.shape) for t in tensors]
         roles: dict[str, tuple[lossy.Role, str | None]] = {}
-        for p in lossy.pair_tensors(specs, skeleton):
+        names = self.x.stored_metadata.get(PARAM_NAMES_KEY)
+        pairing = lossy.pairing(specs, skeleton, names)
+        self.pairing = pairing.summary()
+        for p in pairing.pairs:
             roles[p.weight] = ("weight", p.exp_avg_sq)
             if p.exp_avg is not None:
                 roles[p.exp_avg] = ("exp_avg", p.exp_avg_sq)
@@ -516,7 +521,10 @@ class _Conversion:
             not_before=datetime.now(UTC) + timedelta(seconds=self.policy.grace_s),
         )
         params = json.dumps(self.params.to_json(), separators=(",", ":"))
-        catalog.commit_archive(self.run_name, ArchiveChanges(self.x.id, params, changed, rewrite))
+        pairing = None if self.pairing is None else json.dumps(self.pairing)
+        catalog.commit_archive(
+            self.run_name, ArchiveChanges(self.x.id, params, changed, rewrite, pairing)
+        )
 
 
 def _rebase(

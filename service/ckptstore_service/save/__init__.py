@@ -21,7 +21,9 @@ fp32 weights and Adam moments lossy against the parent's reconstruction: the new
 gets the reconstruction, not the bytes sent (the next save diffs against what loads, and
 ``latest`` served from the cache is what a cold load rebuilds), each such tensor's checksum
 is its reconstruction's (the one it was sent as is kept for retries), and the checkpoint
-records the parameters if a chunk was stored lossy. It never overwrites its parent's cache
+records the parameters if a chunk was stored lossy, and what was paired (its listing's
+``pairing``; a warning names the layout when an optimizer is there and nothing paired with
+its moments). It never overwrites its parent's cache
 file in place: a chunk reads the parent's ``exp_avg_sq`` at another tensor's place.
 """
 
@@ -99,6 +101,7 @@ class Saver:
         header = incoming.header
         parent = self._catalog.parent_of(run, step)
         lossy = LossySave.asked(header)
+        pairing = None if lossy is None else _pairing(run, step, lossy)
         planner, parent_tensors = planner_for(self._catalog, self._settings, header, parent, lossy)
         # a lossy chunk reads its pair's exp_avg_sq in the parent's file: not overwritten
         in_place = lossy is None and same_offsets(parent_tensors.values(), header)
@@ -124,6 +127,7 @@ class Saver:
                 chunks=stored.chunks,
                 sibling_bases=stored.siblings,
                 lossy=lossy.params.to_json() if lossy is not None and stored.lossy else None,
+                pairing=pairing,
             )
             files.committed = (tx.checkpoint_id, header.data_len)
         t_end = time.perf_counter()
@@ -140,3 +144,34 @@ class Saver:
             t_durable - t_encoded,
             t_end - t_durable,
         )
+
+
+def _pairing(run: str, step: int, lossy: LossySave) -> dict[str, object] | None:
+    """What a lossy save paired, as its listing shows it; logged, and a warning when an
+    optimizer is there and no weight was paired with its moments (the tier then prunes
+    weights alone, or nothing: docs/lossy.md#which-weights-pair)."""
+    if lossy.pairing is None:
+        return None
+    summary = lossy.pairing.summary()
+    if lossy.pairing.paired_nothing:
+        log.warning(
+            "lossy save %s/%d paired no weight with its Adam moments (%s); %d fp32 weights "
+            "(%d bytes) stay exact: pass model= and optimizer= to the save "
+            "(docs/lossy.md#which-weights-pair)",
+            run,
+            step,
+            summary["layout"],
+            summary["exact"],
+            summary["exact_bytes"],
+        )
+    else:
+        log.info(
+            "lossy save %s/%d paired %d weights with moments, %d without, left %d exact (%s)",
+            run,
+            step,
+            summary["with_moments"],
+            summary["without_moments"],
+            summary["exact"],
+            summary["layout"],
+        )
+    return summary

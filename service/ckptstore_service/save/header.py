@@ -18,8 +18,14 @@ from dataclasses import dataclass
 import xxhash
 
 from ckptstore_core.errors import CheckpointExists, InvalidStream, PayloadTooLarge
+from ckptstore_core.lossy import ParamNames
 from ckptstore_core.pipeline import TensorInfo, lossy_params
-from ckptstore_core.records import LOSSY_KEY, USER_METADATA_KEY, decode_user_metadata
+from ckptstore_core.records import (
+    LOSSY_KEY,
+    PARAM_NAMES_KEY,
+    USER_METADATA_KEY,
+    decode_user_metadata,
+)
 from ckptstore_core.wire import FORMAT, Header, StreamParser, TensorPiece
 from ckptstore_service.settings import Settings
 
@@ -112,6 +118,8 @@ def check_metadata(header: Header) -> None:
         except ValueError as exc:
             raise InvalidStream(f"{USER_METADATA_KEY!r}: {exc}") from None
     lossy_params(meta)  # InvalidRequest for parameters that are not
+    if PARAM_NAMES_KEY in meta:
+        ParamNames.from_json(meta[PARAM_NAMES_KEY])  # InvalidRequest for anything else
     fmt = meta.get("format", "")
     # other writers' formats ({"format": "pt"} from transformers) are plain safetensors files
     if fmt != FORMAT and (fmt.startswith("ckptstore/") or "skeleton" in meta):

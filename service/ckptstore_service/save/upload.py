@@ -150,9 +150,11 @@ class UploadTransaction(_BlobTransaction):
         chunks: Sequence[NewChunk],
         sibling_bases: dict[int, int],
         lossy: Mapping[str, object] | None = None,
+        pairing: Mapping[str, object] | None = None,
     ) -> None:
         """Make the checkpoint visible (after :meth:`finish`), in one transaction.
-        ``lossy``: the parameters its lossy chunks were stored with (None: bit-exact)."""
+        ``lossy``: the parameters its lossy chunks were stored with (None: bit-exact);
+        ``pairing``: what a lossy save paired (None: not asked to be lossy)."""
         self._catalog.commit_upload(
             self.checkpoint_id,
             parent_id=parent_id,
@@ -167,6 +169,7 @@ class UploadTransaction(_BlobTransaction):
             sibling_bases=sibling_bases,
             fence=self._lease,
             lossy=lossy,
+            pairing=pairing,
         )
         self.committed = True
 

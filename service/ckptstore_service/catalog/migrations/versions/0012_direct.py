@@ -4,7 +4,7 @@
 a writer encoded, and how far the background verifier got with them).
 
 Revision ID: 0012
-Revises: 0008
+Revises: 0009
 Create Date: 2026-11-28
 """
 
@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0012"
-down_revision = "0008"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 
