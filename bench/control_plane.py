@@ -20,10 +20,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
@@ -32,55 +30,41 @@ from sqlalchemy import create_engine, text
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from ckptstore.direct import DirectWriter, pieces_of  # noqa: E402
+from ckptstore.direct import DirectWriter, Sent, pieces_of  # noqa: E402
+from ckptstore.transport import Transport  # noqa: E402
 from ckptstore_core.wire import FORMAT  # noqa: E402
 from support.pg import pg_database  # noqa: E402
 from support.serviceproc import Service  # noqa: E402
 
 
 class Rank:
-    """One simulated rank: its own HTTP connection, its own direct writer (and base file)."""
+    """One simulated rank: its own connection, its own direct writer (and base file)."""
 
     def __init__(self, url: str, rank: int, shard: int, tensors: int) -> None:
-        self.http = httpx.Client(base_url=url, timeout=120)
+        self.transport = Transport(url, timeout=120)
         self.rank = rank
         self.shard = shard
         self.tensors = tensors
-        self.direct = DirectWriter(self._call, self._stream, workers=1)
-        self.latency: dict[str, float] = {}
+        self.direct = DirectWriter(workers=1)
+        self.latency = 0.0
 
-    def _timed(self, what: str, fn: Callable[[], httpx.Response]) -> Any:
-        t0 = time.perf_counter()
-        response = fn()
-        self.latency[what] = time.perf_counter() - t0
-        assert response.status_code < 300, response.text
-        return response.json()
-
-    def _call(self, method: str, path: str, payload: Any) -> Any:
-        return self._timed("plan", lambda: self.http.request(method, path, json=payload))
-
-    def _stream(
-        self, method: str, path: str, body: Callable[[], Iterator[bytes]], content_type: str
-    ) -> Any:
-        headers = {"Content-Type": content_type}
-        return self._timed(
-            "part", lambda: self.http.request(method, path, content=body(), headers=headers)
-        )
-
-    def save(self, run: str, step: int) -> Any:
+    def save(self, run: str, step: int) -> Sent:
         rng = np.random.default_rng(self.rank)
         n = self.shard // self.tensors
         arrays = [rng.standard_normal(n).astype(np.float32) for _ in range(self.tensors)]
         views = [memoryview((a + np.float32(1e-3 * step)).tobytes()) for a in arrays]
         path = f"/v1/runs/{run}/checkpoints/{step}"
         spec = [(f"w{t}.{self.rank}", "F32", (n,)) for t in range(self.tensors)]
-        return self.direct.save_part(
-            path, run, f"rank-{self.rank}", spec, lambda: pieces_of(views), {}
+        t0 = time.perf_counter()
+        sent = self.direct.save_part(
+            self.transport, path, run, f"rank-{self.rank}", spec, lambda: pieces_of(views)
         )
+        self.latency = time.perf_counter() - t0
+        return sent
 
     def close(self) -> None:
         self.direct.close()
-        self.http.close()
+        self.transport.close()
 
 
 def pct(values: list[float], q: float) -> float:
@@ -122,8 +106,7 @@ def main() -> None:
                     assert response.status_code == 201, response.text
                     for r, s in zip(ranks, sent, strict=True):
                         r.direct.keep(s)
-                    plans = [r.latency["plan"] for r in ranks]
-                    parts = [r.latency["part"] for r in ranks]
+                    parts = [r.latency for r in ranks]
                     info = response.json()
                     engine = create_engine(db_url)
                     with engine.connect() as conn:
@@ -140,8 +123,7 @@ def main() -> None:
                     print(
                         f"step {step}: {args.ranks} ranks ({args.concurrency} at once): plans + "
                         f"parts {t_parts:.2f} s, commit {t_commit:.3f} s; 3 requests per rank "
-                        f"(plan, part, and the coordinator's one commit); plan p50/p99 "
-                        f"{pct(plans, 50) * 1e3:.0f}/{pct(plans, 99) * 1e3:.0f} ms, part "
+                        f"(plan, part, and the coordinator's one commit); a rank's plan + part "
                         f"p50/p99 {pct(parts, 50) * 1e3:.0f}/{pct(parts, 99) * 1e3:.0f} ms; "
                         f"catalog rows: {rows[0]} chunks, {rows[1]} tensors; stored "
                         f"{info['stored_bytes']} of {info['raw_bytes']} bytes",

@@ -23,7 +23,7 @@ import builtins
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
@@ -62,7 +62,6 @@ from ckptstore_core.wire import FORMAT, Header, TensorPiece, encode_header
 if TYPE_CHECKING:
     import torch
 
-    from ckptstore.direct import DirectWriter
     from ckptstore.staging import AsyncSaver
     from ckptstore.state import FlatState
 
@@ -133,7 +132,6 @@ class CheckpointClient:
         self._saver: AsyncSaver | None = None  # made by the first save_async (imports torch)
         self._saver_lock = threading.Lock()
         self.direct = bool(direct)
-        self._writer: DirectWriter | None = None  # made by the first direct save
 
     def close(self) -> None:
         """Wait for the :meth:`save_async` upload in flight, then free the staging buffers
@@ -144,9 +142,6 @@ class CheckpointClient:
         """
         if self._saver is not None:
             self._saver.close()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
         self.transport.close()
 
     @property
@@ -474,14 +469,10 @@ class CheckpointClient:
         metadata: dict[str, str],
     ) -> CheckpointInfo:
         """A save encoded here (``direct=True``): one part, sent encoded, then committed."""
-        from ckptstore.direct import DirectWriter  # the codec's kernels: only when used
+        from ckptstore.direct import shared_writer  # the codec's kernels: only when used
         from ckptstore.state import tensor_bytes
 
-        if self._writer is None:
-            # not retried inside: the whole part is (plan, encode, send)
-            call = lambda *a: self.transport.call(*a, retried=False)  # noqa: E731
-            self._writer = DirectWriter(call, self._send_stream)
-        writer = self._writer
+        writer = shared_writer()
         path = checkpoint_path(run, step)
 
         def data() -> Iterator[TensorPiece]:
@@ -490,7 +481,9 @@ class CheckpointClient:
                 for off in range(0, len(raw), PIECE):
                     yield TensorPiece(i, off, raw[off : off + PIECE])
 
-        sent = self.transport.retry(lambda: writer.save_part(path, run, "direct", specs, data, {}))
+        sent = self.transport.retry(
+            lambda: writer.save_part(self.transport, path, run, "direct", specs, data)
+        )
         try:
             commit = {"parts": ["direct"], "metadata": metadata}
             info = self.transport.call("POST", path + "/commit", commit)
@@ -499,13 +492,6 @@ class CheckpointClient:
             raise
         writer.keep(sent)
         return CheckpointInfo.from_json(info)
-
-    def _send_stream(
-        self, method: str, path: str, body: Callable[[], Iterator[bytes]], content_type: str
-    ) -> Any:
-        """``method path`` with a body of unknown length (chunked), not retried here; the
-        answer's JSON."""
-        return self.transport.send(method, path, body(), None, content_type=content_type)
 
     def _fetch(
         self, run: str, step: int | str, prefix: str | None, map_location: Any, show: bool

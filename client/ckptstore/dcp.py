@@ -253,7 +253,9 @@ class CkptStoreWriter(StorageWriter, AsyncStager):
     per shard). Below 64 KiB the service stores pieces whole, never as deltas; smaller
     cells keep more pieces' names across world sizes, at one catalog row per piece.
     ``metadata``: the checkpoint's user metadata, as for :meth:`CheckpointClient.save`
-    (``{"eval_loss": 0.31}``); the coordinator's commit carries it.
+    (``{"eval_loss": 0.31}``); the coordinator's commit carries it. ``direct=True``: each
+    rank encodes its own part (against what its process last sent of the run) and sends
+    it encoded; the service plans, checks and commits (docs/scale.md).
 
     Every rank uploads its items as one part; the coordinator commits them once. A step
     that already exists is refused (:class:`~ckptstore.CheckpointExists`), unless it is the
@@ -281,10 +283,12 @@ class CkptStoreWriter(StorageWriter, AsyncStager):
         grid_bytes: int | None = GRID_BYTES,
         metadata: Mapping[str, Any] | None = None,
         async_staging: bool = False,
+        direct: bool = False,
         **client_options: Any,
     ) -> None:
         super().__init__()
         self.async_staging = async_staging
+        self.direct = direct
         self.url = url
         # checked here, in the training process, not at the commit
         self.metadata = None if metadata is None else encode_user_metadata(metadata)
@@ -502,7 +506,7 @@ class CkptStoreWriter(StorageWriter, AsyncStager):
                 yield payload
 
         with self._client() as client:
-            parts.put_part(client, self.run, self.step, part, specs, data)
+            parts.put_part(client, self.run, self.step, part, specs, data, direct=self.direct)
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

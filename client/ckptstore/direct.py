@@ -20,17 +20,19 @@ part per run (the newest ``keep_runs`` runs).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import queue
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ckptstore.transport import Transport
 from ckptstore_core.encoded import CONTENT_TYPE, Plan, TailChunk, encode_tail, frame
 from ckptstore_core.pipeline import (
     Budget,
@@ -43,14 +45,12 @@ from ckptstore_core.pipeline import (
 )
 from ckptstore_core.wire import Header, TensorPiece, encode_header
 
-__all__ = ["BaseFile", "DirectWriter", "Sent", "pieces_of"]
+__all__ = ["BaseFile", "DirectWriter", "Sent", "pieces_of", "shared_writer", "tensor_pieces"]
 
+Spec = tuple[str, str, Sequence[int]]  # a tensor's name, dtype and shape
 _PIECE = 8 << 20
 _BATCH = 1 << 20  # bytes of frames joined into one piece of the request body
 _DONE = object()
-
-JsonCall = Callable[[str, str, Any], Any]  # (method, path, payload) -> the answer's JSON
-StreamCall = Callable[[str, str, Callable[[], Iterator[bytes]], str], Any]
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class Sent:
     caller :meth:`DirectWriter.keep`\ s or :meth:`DirectWriter.discard`\ s them."""
 
     answer: Any
-    run: str
+    key: tuple[str, str]  # the service's URL and the run
     base: BaseFile
 
 
@@ -73,19 +73,16 @@ class BaseFile:
 
 
 class DirectWriter:
-    """Encodes parts and sends them encoded (see the module's docstring). ``call`` and
-    ``stream`` are the client's requests (JSON, and a streamed body of unknown length);
-    ``workers`` the codec threads."""
+    """Encodes parts and sends them encoded (see the module's docstring) through the
+    :class:`~ckptstore.transport.Transport` each call is given; ``workers`` codec threads.
+    Its base files are keyed by service and run, so one writer serves every client of a
+    process (:func:`shared_writer`): a DCP save makes a storage writer per checkpoint."""
 
-    def __init__(
-        self, call: JsonCall, stream: StreamCall, workers: int | None = None, keep_runs: int = 2
-    ) -> None:
-        self._call = call
-        self._stream = stream
+    def __init__(self, workers: int | None = None, keep_runs: int = 2) -> None:
         self._workers = workers or min(4, os.cpu_count() or 2)
         self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="ckptstore-encode")
         self._dir = tempfile.TemporaryDirectory(prefix="ckptstore-bases-")
-        self._bases: OrderedDict[str, BaseFile] = OrderedDict()
+        self._bases: OrderedDict[tuple[str, str], BaseFile] = OrderedDict()
         self._keep = keep_runs
         self._lock = threading.Lock()
 
@@ -95,26 +92,29 @@ class DirectWriter:
 
     def save_part(
         self,
+        transport: Transport,
         path: str,
         run: str,
         part: str,
-        specs: Sequence[tuple[str, str, tuple[int, ...]]],
+        specs: Sequence[Spec],
         data: Callable[[], Iterator[TensorPiece]],
-        metadata: Mapping[str, str],
     ) -> Sent:
         r"""Plan, encode and send part ``part`` of the checkpoint at ``path`` (its URL path)
-        of ``run``: the tensors ``specs``, whose bytes ``data`` yields in that order. The
-        new raw file becomes the run's base once the caller :meth:`keep`\ s it (after its
-        commit), else :meth:`discard` it."""
-        plan = Plan.from_json(self._call("POST", path + "/plan", {"names": [s[0] for s in specs]}))
-        prefix, header = encode_header(list(specs), dict(metadata))
-        planner = self._planner(run, plan, header)
+        of ``run``: the tensors ``specs``, whose bytes ``data`` yields in that order. One
+        attempt (the caller retries the whole part). The new raw file becomes the run's base
+        once the caller :meth:`keep`\ s it, else :meth:`discard` it."""
+        names = {"names": [s[0] for s in specs]}
+        plan = Plan.from_json(transport.call("POST", path + "/plan", names, retried=False))
+        prefix, header = encode_header(list(specs), {})
+        key = (transport.url, run)
+        with self._lock:
+            base = self._bases.get(key)  # one snapshot for the plan and the bytes
+        planner = _planner(base, plan, header)
         fd, raw_path = tempfile.mkstemp(dir=self._dir.name)
         os.close(fd)
         result: list[Stored] = []
 
         def body() -> Iterator[bytes]:
-            base = self._bases.get(run)
             with (
                 open(raw_path, "r+b") as raw,
                 open(base.path if base else os.devnull, "rb") as old,
@@ -136,56 +136,79 @@ class DirectWriter:
                 ]
                 yield encode_tail(plan.parent_id, rows, [t.checksum for t in stored.tensors])
 
+        target = f"{path}/parts/{part}/encoded"
         try:
-            answer = self._stream("PUT", f"{path}/parts/{part}/encoded", body, CONTENT_TYPE)
+            answer = transport.send("PUT", target, body(), None, content_type=CONTENT_TYPE)
         except BaseException:
             os.unlink(raw_path)
             raise
-        return Sent(answer, run, BaseFile(raw_path, tuple(result[0].tensors)))
+        return Sent(answer, key, BaseFile(raw_path, tuple(result[0].tensors)))
 
     def keep(self, sent: Sent) -> None:
-        """``sent`` was committed: its raw bytes are its run's base from now on."""
+        """``sent``'s raw bytes are its run's base from now on. Safe before its commit too:
+        the next save diffs a tensor against them only where the plan's parent holds the
+        same checksum (an uncommitted part's tensors match no parent)."""
         with self._lock:
-            old = self._bases.pop(sent.run, None)
+            old = self._bases.pop(sent.key, None)
             if old is not None:
                 os.unlink(old.path)
-            self._bases[sent.run] = sent.base
+            self._bases[sent.key] = sent.base
             while len(self._bases) > self._keep:
                 _, dropped = self._bases.popitem(last=False)
                 os.unlink(dropped.path)
 
     def discard(self, sent: Sent) -> None:
-        """``sent`` was not committed: its raw bytes are no base."""
+        """``sent``'s raw bytes are no base."""
         os.unlink(sent.base.path)
 
-    def _planner(self, run: str, plan: Plan, header: Header) -> Callable[[], DeltaPlanner]:
-        """A planner against the parent's chunks this writer holds the bytes of: the tensors
-        of its base file that match the plan's parent tensor exactly, at their place in the
-        file (a fresh planner per attempt: it keeps state)."""
-        base = self._bases.get(run)
-        held = (
-            {}
-            if base is None
-            else {(t.name, t.dtype, t.shape, t.checksum): t for t in base.tensors}
+
+def _planner(base: BaseFile | None, plan: Plan, header: Header) -> Callable[[], DeltaPlanner]:
+    """A planner against the parent's chunks whose bytes ``base`` holds: the tensors of the
+    base file that match the plan's parent tensor exactly (name, dtype, shape, checksum), at
+    their place in the file (a fresh planner per attempt: it keeps state)."""
+    held = {} if base is None else {(t.name, t.dtype, t.shape, t.checksum): t for t in base.tensors}
+    tensors: dict[int, TensorInfo] = {}
+    for t in plan.tensors:
+        mine = held.get((t.name, t.dtype, t.shape, t.checksum))
+        if mine is not None:
+            tensors[t.idx] = replace(t, begin=mine.begin)
+    chunks = [c for c in plan.chunks if c.tensor_idx in tensors]
+
+    def make() -> DeltaPlanner:
+        return DeltaPlanner(
+            header,
+            keyframe=plan.keyframe,
+            since_keyframe=plan.since_keyframe,
+            max_chain_depth=plan.max_chain_depth,
+            parent_tensors=tensors,
+            parent_chunks=chunks,
         )
-        tensors: dict[int, TensorInfo] = {}
-        for t in plan.tensors:
-            mine = held.get((t.name, t.dtype, t.shape, t.checksum))
-            if mine is not None:
-                tensors[t.idx] = replace(t, begin=mine.begin)
-        chunks = [c for c in plan.chunks if c.tensor_idx in tensors]
 
-        def make() -> DeltaPlanner:
-            return DeltaPlanner(
-                header,
-                keyframe=plan.keyframe,
-                since_keyframe=plan.since_keyframe,
-                max_chain_depth=plan.max_chain_depth,
-                parent_tensors=tensors,
-                parent_chunks=chunks,
-            )
+    return make
 
-        return make
+
+_shared: DirectWriter | None = None
+_shared_lock = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    global _shared, _shared_lock
+    # a forked child (a DCP rank, a dataloader worker) has none of the parent's codec
+    # threads: it makes a writer of its own at its first use
+    _shared, _shared_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def shared_writer() -> DirectWriter:
+    """The process's :class:`DirectWriter` (made at first use, closed at exit)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = DirectWriter()
+            atexit.register(_shared.close)
+        return _shared
 
 
 class _QueueSink:
@@ -266,3 +289,24 @@ def pieces_of(tensors: Sequence[memoryview]) -> Iterator[TensorPiece]:
     for i, data in enumerate(tensors):
         for off in range(0, len(data), _PIECE):
             yield TensorPiece(i, off, data[off : off + _PIECE])
+
+
+def tensor_pieces(specs: Sequence[Spec], data: Iterable[Buffer]) -> Iterator[TensorPiece]:
+    """The tensors' bytes as pipeline pieces, from ``data``: their bytes back to back in
+    ``specs``' order, in pieces of any size (a DCP rank's)."""
+    sizes = [n for _, n in _sizes(specs)]
+    i = pos = 0
+    for piece in data:
+        view = memoryview(piece).cast("B")
+        while len(view):
+            while i < len(sizes) and pos == sizes[i]:
+                i, pos = i + 1, 0
+            if i == len(sizes):
+                raise ValueError("more tensor bytes than the specs describe")
+            take = min(len(view), sizes[i] - pos)
+            yield TensorPiece(i, pos, view[:take])
+            view, pos = view[take:], pos + take
+
+
+def _sizes(specs: Sequence[Spec]) -> list[tuple[str, int]]:
+    return [(t.name, t.nbytes) for t in encode_header(list(specs), {})[1].tensors]

@@ -69,11 +69,17 @@ def put_part(
     part: str,
     specs: Sequence[Spec],
     data: Callable[[], Iterator[memoryview | bytes]],
+    *,
+    direct: bool = False,
 ) -> dict[str, Any]:
     """Upload part ``part`` of checkpoint ``run/step``: the tensors ``specs`` (in order),
     whose bytes ``data()`` yields back to back (called again on each retry). Returns the
-    service's JSON (``tensors``, ``raw_bytes``, ``stored_bytes``, ...)."""
+    service's JSON (``tensors``, ``raw_bytes``, ``stored_bytes``, ...). ``direct``: encoded
+    here and sent encoded (:mod:`ckptstore.direct`), against what this process last sent
+    of the run."""
     transport = transport_of(client)
+    if direct:
+        return _put_encoded(transport, run, step, part, specs, data)
     path = f"{checkpoint_path(run, step)}/parts/{quote(check_part_name(part), safe='')}"
     prefix, header = encode_header(specs, {"format": FORMAT})
 
@@ -93,6 +99,31 @@ def put_part(
         return out
 
     return transport.retry(attempt)
+
+
+def _put_encoded(
+    transport: Transport,
+    run: str,
+    step: int,
+    part: str,
+    specs: Sequence[Spec],
+    data: Callable[[], Iterator[memoryview | bytes]],
+) -> dict[str, Any]:
+    """:func:`put_part` with ``direct=True``. The part's raw bytes become the run's base
+    at once: a rank never learns of the commit, and a base whose checksums match no parent
+    is never diffed against."""
+    from ckptstore.direct import shared_writer, tensor_pieces  # the codec: only when used
+
+    writer = shared_writer()
+    path = checkpoint_path(run, step)
+    sent = transport.retry(
+        lambda: writer.save_part(
+            transport, path, run, check_part_name(part), specs, lambda: tensor_pieces(specs, data())
+        )
+    )
+    writer.keep(sent)
+    out: dict[str, Any] = sent.answer
+    return out
 
 
 def commit(

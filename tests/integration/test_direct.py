@@ -5,14 +5,17 @@ wrong checkpoint alone marked corrupt; refused rows a clear 4xx that stores noth
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from ckptstore.direct import DirectWriter, Sent, pieces_of
+from ckptstore.transport import Transport
 from ckptstore_core import codec
 from ckptstore_core.encoded import CONTENT_TYPE, TailChunk, encode_tail, frame
 from ckptstore_core.wire import FORMAT, encode_header
@@ -25,39 +28,28 @@ FAST_VERIFIER = {"CKPTSTORE_VERIFY_INTERVAL_S": "0.2", "CKPTSTORE_VERIFY_CPU_SHA
 
 
 class Writer:
-    """A DirectWriter over httpx, saving single-part checkpoints (``direct``) of one run."""
+    """A DirectWriter of its own, saving single-part checkpoints (``direct``) of one run."""
 
     def __init__(self, service: Service, run: str) -> None:
-        self.http = httpx.Client(base_url=service.url, timeout=60)
+        self.transport = Transport(service.url, timeout=60)
         self.run = run
-        self.direct = DirectWriter(self._call, self._stream, workers=2)
-
-    def _call(self, method: str, path: str, payload: Any) -> Any:
-        response = self.http.request(method, path, json=payload)
-        assert response.status_code < 300, response.text
-        return response.json()
-
-    def _stream(
-        self, method: str, path: str, body: Callable[[], Iterator[bytes]], content_type: str
-    ) -> Any:
-        response = self.http.request(
-            method, path, content=body(), headers={"Content-Type": content_type}
-        )
-        assert response.status_code < 300, response.text
-        return response.json()
+        self.direct = DirectWriter(workers=2)
 
     def save(self, step: int, arrays: dict[str, np.ndarray], dtypes: dict[str, str]) -> Sent:
         specs = [(n, dtypes[n], a.shape) for n, a in arrays.items()]
         path = f"/v1/runs/{self.run}/checkpoints/{step}"
         views = [memoryview(a.tobytes()) for a in arrays.values()]
-        sent = self.direct.save_part(path, self.run, "direct", specs, lambda: pieces_of(views), {})
-        self._call("POST", path + "/commit", {"parts": ["direct"], "metadata": {"format": FORMAT}})
+        sent = self.direct.save_part(
+            self.transport, path, self.run, "direct", specs, lambda: pieces_of(views)
+        )
+        commit = {"parts": ["direct"], "metadata": {"format": FORMAT}}
+        self.transport.call("POST", path + "/commit", commit)
         self.direct.keep(sent)
         return sent
 
     def close(self) -> None:
         self.direct.close()
-        self.http.close()
+        self.transport.close()
 
 
 def state(step: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -275,3 +267,41 @@ def test_checkpoint_client_direct_saves_a_training_run_exactly(
         "verified",
     ]
     assert listed[2]["stored_bytes"] < listed[1]["stored_bytes"]
+
+
+@pytest.mark.slow
+def test_dcp_ranks_encode_their_own_parts_and_load_into_other_world_sizes(
+    make_service: Callable[..., Service], tmp_path: Path
+) -> None:
+    """3 FSDP2 ranks save steps 2 and 4 with ``CkptStoreWriter(direct=True)``; 2 ranks and
+    1 rank load both bit for bit; the service verified what the ranks encoded."""
+    from support import dcp_ranks
+    from support.states import assert_same_state
+
+    service = make_service(FAST_VERIFIER)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    dcp_ranks.launch(dcp_ranks.save_run, 3, service.url, "dcp", str(saved), [2, 4], 4, True)
+    for world in (2, 1):
+        out = tmp_path / f"loaded-{world}"
+        out.mkdir()
+        dcp_ranks.launch(dcp_ranks.load_run, world, service.url, "dcp", str(out), [2, 4], [])
+        for step in (2, 4):
+            assert_same_state(
+                torch.load(saved / f"full-{step}.pt", weights_only=True),
+                torch.load(out / f"loaded-{world}-{step}.pt", weights_only=True),
+                path=f"world {world}, step {step}",
+            )
+    listed = wait_until(
+        lambda: (
+            (got := listing(service, "dcp"))
+            and all(c["verification"] != "pending" for c in got.values())
+            and got
+        ),
+        what="the verifier's verdicts",
+    )
+    assert {s: (c["verification"], c["parts"]) for s, c in listed.items()} == {
+        2: ("verified", 3),
+        4: ("verified", 3),
+    }
+    assert listed[4]["parent_step"] == 2

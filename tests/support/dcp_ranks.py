@@ -168,13 +168,15 @@ def save_run(
     out: str,
     saves: list[int],
     steps: int,
+    direct: bool = False,
 ) -> None:
     """Train ``steps`` steps, saving with dcp.save after each step in ``saves`` (and
     gathering the full state then); the losses of every step go to losses-{rank}.json.
-    The writer's grid is 64 bytes: every 2-d shard is stored as pieces of a few rows."""
+    The writer's grid is 64 bytes: every 2-d shard is stored as pieces of a few rows.
+    ``direct``: each rank encodes its own part."""
     init(rank, world, port)
     model, opt = build()
-    writer = CkptStoreWriter(replica(url, rank), run, grid_bytes=GRID)
+    writer = CkptStoreWriter(replica(url, rank), run, grid_bytes=GRID, direct=direct)
     losses = {}
     for step in range(1, steps + 1):
         losses[step] = train_step(model, opt, step)

@@ -64,8 +64,8 @@ def test_the_service_image_copies_every_package_of_the_wheel() -> None:
 #: The client's modules, bottom up: each imports (at the top or lazily) only modules of
 #: lower rows, and no private (``_x``) name of another module (docs/client.md#transport).
 CLIENT_LAYERS = [
-    {"transport", "state", "direct"},
-    {"staging", "files", "tokens", "dcp_metadata"},
+    {"transport", "state"},
+    {"staging", "files", "tokens", "dcp_metadata", "direct"},
     {"parts"},
     {"client"},
     {"dcp"},
