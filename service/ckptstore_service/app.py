@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptstore_core.errors import CkptStoreError, InternalError, InvalidRequest
-from ckptstore_service.api import auth, dashboard, direct, lifecycle, parts, retention
+from ckptstore_service.api import auth, dashboard, lifecycle, parts, retention
 from ckptstore_service.api.body import BodyLimits, Uploads
 from ckptstore_service.api.instrument import instrument
 from ckptstore_service.api.routes import router, unrouted
@@ -143,7 +143,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.include_router(router)
     app.include_router(parts.router)
-    app.include_router(direct.router)
     app.include_router(lifecycle.router)
     app.include_router(retention.router)
     auth.install(app, tokens_required, OPEN)  # before the metrics: they count refusals too

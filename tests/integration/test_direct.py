@@ -81,6 +81,18 @@ def listing(service: Service, run: str) -> dict[int, dict[str, Any]]:
     return {c["step"]: c for c in response.json()["checkpoints"]}
 
 
+def verdicts(service: Service, run: str) -> dict[int, dict[str, Any]]:
+    """The run's listing once the verifier has judged every checkpoint it has to."""
+    return wait_until(
+        lambda: (
+            (got := listing(service, run))
+            and all(c["verification"] != "pending" for c in got.values())
+            and got
+        ),
+        what=f"the verifier's verdicts on {run}",
+    )
+
+
 def service_save(service: Service, run: str, step: int, arrays: dict[str, np.ndarray]) -> None:
     dtypes = state(step)[1]
     head = encode_header([(n, dtypes[n], a.shape) for n, a in arrays.items()], {})[0]
@@ -111,14 +123,7 @@ def test_a_chain_of_direct_and_service_saves_loads_exactly_and_is_verified(
 
     for step, data in saved.items():
         assert stored_data(service, "mix", step) == data, step
-    listed = wait_until(
-        lambda: (
-            (got := listing(service, "mix"))
-            and all(got[s]["verification"] != "pending" for s in (1, 2, 4))
-            and got
-        ),
-        what="the verifier's verdicts",
-    )
+    listed = verdicts(service, "mix")
     assert [listed[s]["verification"] for s in (1, 2, 3, 4)] == [
         "verified",
         "verified",
@@ -170,14 +175,7 @@ def test_wrong_bytes_under_honest_checksums_mark_that_checkpoint_alone_corrupt(
         assert put_encoded(service, "liar", step, body).status_code == 201
         assert commit(service, "liar", step).status_code == 201
 
-    listed = wait_until(
-        lambda: (
-            (got := listing(service, "liar"))
-            and all(c["verification"] != "pending" for c in got.values())
-            and got
-        ),
-        what="the verifier's verdicts",
-    )
+    listed = verdicts(service, "liar")
     assert {s: c["verification"] for s, c in listed.items()} == {
         1: "verified",
         2: "corrupt",
@@ -252,14 +250,7 @@ def test_checkpoint_client_direct_saves_a_training_run_exactly(
             (plain if step == 3 else direct).save("train", step, state)
         for step, state in enumerate(states, start=1):
             assert_same_state(state, plain.load("train", step), path=f"step {step}")
-    listed = wait_until(
-        lambda: (
-            (got := listing(service, "train"))
-            and all(c["verification"] != "pending" for c in got.values())
-            and got
-        ),
-        what="the verifier's verdicts",
-    )
+    listed = verdicts(service, "train")
     assert [listed[s]["verification"] for s in (1, 2, 3, 4)] == [
         "verified",
         "verified",
@@ -292,14 +283,7 @@ def test_dcp_ranks_encode_their_own_parts_and_load_into_other_world_sizes(
                 torch.load(out / f"loaded-{world}-{step}.pt", weights_only=True),
                 path=f"world {world}, step {step}",
             )
-    listed = wait_until(
-        lambda: (
-            (got := listing(service, "dcp"))
-            and all(c["verification"] != "pending" for c in got.values())
-            and got
-        ),
-        what="the verifier's verdicts",
-    )
+    listed = verdicts(service, "dcp")
     assert {s: (c["verification"], c["parts"]) for s, c in listed.items()} == {
         2: ("verified", 3),
         4: ("verified", 3),

@@ -5,16 +5,23 @@ resharding load makes: a checkpoint's table of tensors, and a chosen few of its 
     POST /v1/runs/{run}/checkpoints/{step}/commit         {"parts": [...], "metadata": {...}}
     GET  /v1/runs/{run}/checkpoints/{step}/info           record, metadata, tensor table
     POST /v1/runs/{run}/checkpoints/{step}/select         {"names": [...]} -> safetensors
+
+and those of writers that encode their own chunks (``direct=True``, docs/scale.md):
+
+    POST /v1/runs/{run}/checkpoints/{step}/plan                 {"names": [...]} -> the plan
+    PUT  /v1/runs/{run}/checkpoints/{step}/parts/{part}/encoded  the encoded part
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from ckptstore_core.encoded import CONTENT_TYPE as ENCODED
 from ckptstore_core.errors import (
     CheckpointExists,
     CheckpointNotFound,
@@ -26,11 +33,12 @@ from ckptstore_core.errors import (
     StorageUnavailable,
 )
 from ckptstore_core.records import CheckpointInfo
-from ckptstore_service.api.body import consume_body
+from ckptstore_service.api.body import Uploads, consume_body
 from ckptstore_service.api.deps import MaintenanceDep, RuntimeDep, UploadLimiterDep
 from ckptstore_service.api.openapi import CHECKPOINT_STREAM, SAFETENSORS_BODY, error_responses
 from ckptstore_service.api.routes import stream_response
-from ckptstore_service.api.schemas import CheckpointDetail, CommitIn, PartOut, SelectIn
+from ckptstore_service.api.schemas import CheckpointDetail, CommitIn, PartOut, PlanIn, SelectIn
+from ckptstore_service.catalog import PartRecord
 from ckptstore_service.names import check_run_name, parse_step
 from ckptstore_service.restore import resolving_latest, tensors_of
 
@@ -41,6 +49,7 @@ router = APIRouter()
 _CHECKPOINT = "/v1/runs/{run:path}/checkpoints/{step}"
 Run = Annotated[str, Path(description="The run's name")]
 Step = Annotated[str, Path(description="The step: a non-negative integer")]
+PartName = Annotated[str, Path(description="The part's name (one per writer: `rank-3`)")]
 _READ = (InvalidRequest, RunNotFound, CheckpointNotFound, CorruptData, StorageUnavailable)
 
 
@@ -59,19 +68,29 @@ _READ = (InvalidRequest, RunNotFound, CheckpointNotFound, CorruptData, StorageUn
 async def save_part(
     run: Run,
     step: Step,
-    part: Annotated[str, Path(description="The part's name (one per writer: `rank-3`)")],
+    part: PartName,
     request: Request,
     rt: RuntimeDep,
     uploads: UploadLimiterDep,
 ) -> JSONResponse:
     """Store one writer's part of checkpoint `step`: invisible until the commit names it.
     Parts of one checkpoint may be uploaded at the same time, through any replica."""
+    return await _stored_part(run, step, part, request, uploads, rt.parts.ingest_part)
+
+
+async def _stored_part(
+    run: str,
+    step: str,
+    part: str,
+    request: Request,
+    uploads: Uploads,
+    ingest: Callable[[str, int, str, Iterable[bytes], int | None], tuple[PartRecord, bool]],
+) -> JSONResponse:
+    """A part's body handed to ``ingest`` in a worker thread; the stored part's JSON."""
     check_run_name(run)
     step_n = _step(step)
     stored, created = await consume_body(
-        request,
-        uploads,
-        lambda body, length: rt.parts.ingest_part(run, step_n, part, body, length),
+        request, uploads, lambda body, length: ingest(run, step_n, part, body, length)
     )
     out = PartOut(
         run=run,
@@ -82,6 +101,51 @@ async def save_part(
         stored_bytes=stored.stored_bytes,
     )
     return JSONResponse(out.model_dump(), status_code=201 if created else 200)
+
+
+@router.post(_CHECKPOINT + "/plan", responses=error_responses(InvalidRequest, StorageUnavailable))
+async def plan(run: Run, step: Step, body: PlanIn, rt: RuntimeDep) -> dict[str, Any]:
+    """What a writer that encodes its own chunks (`direct=True`, docs/scale.md) encodes a
+    part of checkpoint `step` against: the step's parent, the keyframe and depth rules, the
+    chunk size, and the parent's tensors and chunks of the names given
+    (`ckptstore_core.encoded.Plan`)."""
+    check_run_name(run)
+    step_n = _step(step)
+    found = await run_in_threadpool(rt.direct.plan, run, step_n, body.names)
+    return found.to_json()
+
+
+@router.put(
+    _CHECKPOINT + "/parts/{part}/encoded",
+    status_code=201,
+    response_model=PartOut,
+    responses={
+        200: {"model": PartOut, "description": "Stored already, with the same content"},
+        **error_responses(
+            InvalidRequest, InvalidStream, CheckpointExists, PayloadTooLarge, StorageUnavailable
+        ),
+    },
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {ENCODED: {"schema": {"type": "string", "format": "binary"}}},
+            "description": "A part its writer encoded: its safetensors header, each chunk's "
+            "stored bytes as a frame, and a tail of rows (docs/wire-format.md)",
+        }
+    },
+)
+async def save_encoded_part(
+    run: Run,
+    step: Step,
+    part: PartName,
+    request: Request,
+    rt: RuntimeDep,
+    uploads: UploadLimiterDep,
+) -> JSONResponse:
+    """Store one writer's part of checkpoint `step` as it encoded it (stored as sent,
+    checked against the service's own plan, decoded later by the verifier): invisible until
+    the commit names it."""
+    return await _stored_part(run, step, part, request, uploads, rt.direct.ingest)
 
 
 @router.post(

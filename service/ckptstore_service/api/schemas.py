@@ -19,6 +19,7 @@ __all__ = [
     "ErrorBody",
     "ErrorDetail",
     "PartOut",
+    "PlanIn",
     "RunsOut",
     "SelectIn",
     "TensorOut",
@@ -69,6 +70,10 @@ class CommitIn(BaseModel):
     metadata: dict[str, str] = Field(
         default_factory=dict, description="The checkpoint's metadata (a DCP plan, say)"
     )
+
+
+class PlanIn(BaseModel):
+    names: list[str] = Field(description="The tensors of the part to be encoded, by name")
 
 
 class SelectIn(BaseModel):
