@@ -23,6 +23,7 @@ import builtins
 import json
 import logging
 import threading
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from types import TracebackType
@@ -469,7 +470,7 @@ class CheckpointClient:
         metadata: dict[str, str],
     ) -> CheckpointInfo:
         """A save encoded here (``direct=True``): one part, sent encoded, then committed."""
-        from ckptstore.direct import shared_writer  # the codec's kernels: only when used
+        from ckptstore.direct import Sent, shared_writer  # the codec's kernels: only when used
         from ckptstore.state import tensor_bytes
 
         writer = shared_writer()
@@ -481,11 +482,15 @@ class CheckpointClient:
                 for off in range(0, len(raw), PIECE):
                     yield TensorPiece(i, off, raw[off : off + PIECE])
 
-        sent = self.transport.retry(
-            lambda: writer.save_part(self.transport, path, run, "direct", specs, data)
-        )
+        def attempt() -> tuple[str, Sent]:
+            # a part name of its own per attempt: a replica that died mid-part holds the
+            # last one's lock until its lease runs out (the sweep collects that part)
+            part = f"direct-{uuid.uuid4().hex[:12]}"
+            return part, writer.save_part(self.transport, path, run, part, specs, data)
+
+        part, sent = self.transport.retry(attempt)
         try:
-            commit = {"parts": ["direct"], "metadata": metadata}
+            commit = {"parts": [part], "metadata": metadata}
             info = self.transport.call("POST", path + "/commit", commit)
         except BaseException:
             writer.discard(sent)

@@ -87,6 +87,13 @@ CALLS: dict[tuple[str, str], Call] = {
     ("POST", _STEP + "/commit"): Call(
         "POST", "/v1/runs/{run}/checkpoints/1/commit", json={"parts": ["rank-0"]}
     ),
+    # a direct writer's plan (the parent's rows) and its encoded part
+    ("POST", _STEP + "/plan"): Call(
+        "POST", "/v1/runs/{run}/checkpoints/9/plan", json={"names": ["w"]}
+    ),
+    ("PUT", _STEP + "/parts/{part}/encoded"): Call(
+        "PUT", "/v1/runs/{run}/checkpoints/9/parts/rank-0/encoded", body=_SAVE
+    ),
     ("DELETE", _STEP): Call("DELETE", "/v1/runs/{run}/checkpoints/1"),
     ("DELETE", "/v1/runs/{run}"): Call("DELETE", "/v1/runs/{run}"),
     ("GET", "/v1/runs/{run}"): Call("GET", "/v1/runs/{run}"),
@@ -277,6 +284,11 @@ def test_the_least_token_that_should_pass_passes(svc: Service, tokens: dict[str,
             writer_a, "team-a-3", 1, "rank-0", [("w", "F32", (4,))], lambda: iter([b"\0" * 16])
         )
         assert commit(writer_a, "team-a-3", 1, ["rank-0"], {})["step"] == 1
+        put_part(
+            writer_a, "team-a-3", 2, "rank-0", [("w", "F32", (4,))], lambda: iter([b"\1" * 16]),
+            direct=True,
+        )  # fmt: skip
+        assert commit(writer_a, "team-a-3", 2, ["rank-0"], {})["step"] == 2
     with httpx.Client(base_url=svc.url, headers=_bearer(tokens["reader-a"])) as http:
         assert http.get("/v1/runs/team-a-1/checkpoints/1/info").status_code == 200
         selected = http.post("/v1/runs/team-a-1/checkpoints/1/select", json={"names": ["w"]})
