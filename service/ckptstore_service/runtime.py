@@ -113,6 +113,7 @@ class Runtime:
             self.cache.scratch,
             2 * self.budget.bytes_in_flight,
             self.metrics,
+            self.source.stream,
         )
 
     @classmethod

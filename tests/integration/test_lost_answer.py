@@ -118,7 +118,7 @@ def test_a_plain_save_whose_answer_is_lost_is_retried(svc: Service, proxy: Fault
     with CheckpointClient(proxy.url, **FAST) as client:
         info = client.save("plain", 4, state)
     assert proxy.answers_dropped == 1 and info.step == 4
-    assert _steps(svc.url, "plain") == [(4, 0)]
+    assert _steps(svc.url, "plain") == [(4, 1)]
     assert_same_state(state, CheckpointClient(svc.url).load("plain", 4))
 
 
@@ -148,9 +148,14 @@ def test_parts_of_a_committed_step_again_under_other_names_and_ranks(svc: Servic
     assert_error(changed, 409, "checkpoint_exists")
     assert "other content" in changed.json()["error"]["message"]
     assert "'w@0,0'" in changed.json()["error"]["message"]
-    wider = put_part(svc.url, "again", 1, "rank-0.x", part_body({"w@0,0": shards(1, 1)[0]["w@0,0"][:, :8]}))
-    assert_error(wider, 409, "checkpoint_exists")
-    bad = commit(svc.url, "again", 1, ["rank-0.y"], {"dcp": dcp_layout(2, rows=32, parts=["rank-0.y"] * 2)})
+    w = shards(1, 1)[0]["w@0,0"]
+    columns = put_part(svc.url, "again", 1, "rank-0.c", part_body({"w@0,8": w[:, 8:16]}))
+    assert columns.status_code == 200, columns.text  # a region that is not whole rows
+    shifted = put_part(svc.url, "again", 1, "rank-0.x", part_body({"w@0,8": w[:, :8]}))
+    assert_error(shifted, 409, "checkpoint_exists")
+    bad = commit(
+        svc.url, "again", 1, ["rank-0.y"], {"dcp": dcp_layout(2, rows=32, parts=["rank-0.y"] * 2)}
+    )
     assert_error(bad, 409, "checkpoint_exists")
     assert_error(commit(svc.url, "again", 1, ["rank-0"]), 409, "checkpoint_exists")
     no_layout = commit(svc.url, "again", 1, ["rank-0.z", "rank-1.z"])
