@@ -88,6 +88,7 @@ def test_a_save_reported_failed_after_it_landed_is_saved_again(
     with pytest.raises(CheckpointException) as caught:
         _save(proxy.url, "landed", 1, _state())
     assert [type(e) for e in _failures(caught)] == [ServiceUnavailable]
+    assert "may have landed" in str(_failures(caught)[0])
     assert proxy.answers_dropped == 2
     assert _steps(svc.url, "landed") == [(1, 1)]  # committed all the same
     blobs = _blobs(svc, "landed")
