@@ -89,7 +89,7 @@ async def save_part(
     status_code=201,
     response_model=CheckpointInfo,
     responses={
-        200: {"model": CheckpointInfo, "description": "Committed already, of these parts"},
+        200: {"model": CheckpointInfo, "description": "Committed already, with the same content"},
         **error_responses(InvalidRequest, CheckpointExists, PayloadTooLarge, StorageUnavailable),
     },
 )
