@@ -26,6 +26,7 @@ from support import dcp_ranks
 from support.bodies import assert_error
 from support.faultproxy import FaultProxy
 from support.parts import commit, dcp_layout, part_body, put_part, save_in_parts, shards
+from support.s3server import s3_store
 from support.serviceproc import Service
 from support.states import assert_same_state
 
@@ -179,3 +180,30 @@ def test_a_committed_fsdp_step_saved_again_by_another_world_size(
     assert isinstance(_failures(caught)[0], CheckpointExists)
     info = httpx.get(f"{svc.url}/v1/runs/fsdp/checkpoints/1/info").json()
     assert info["checkpoint"]["parts"] == 2
+
+
+@pytest.mark.postgres
+@pytest.mark.s3
+def test_two_replicas_on_postgres_and_s3_a_save_retried_through_the_other(
+    make_service: Callable[..., Service], backends: dict[str, str]
+) -> None:
+    """Replica A commits but its answers never arrive (the client is pinned to it); the
+    trainer runs the save again through replica B, once as it was and once cut into other
+    pieces (read back from S3 to compare): both succeed and nothing more is stored."""
+    a, b = make_service(backends), make_service(backends)
+    store = s3_store(backends)
+    with FaultProxy("127.0.0.1", a.port, http=True) as front:
+        front.drop_answers(b"/commit", 2)
+        with pytest.raises(CheckpointException):
+            _save(front.url, "pinned", 1, _state())
+    keys = sorted(store.iter_keys(""))
+    _save(b.url, "pinned", 1, _state())
+    _save(b.url, "pinned", 1, _state(), grid=None)
+    assert sorted(store.iter_keys("")) == keys
+    assert _steps(a.url, "pinned") == [(1, 1)]
+    other = _state()
+    other["half"][0, 0] += 1
+    with pytest.raises(CheckpointException) as caught:
+        _save(b.url, "pinned", 1, other, grid=None)
+    assert "'half@0,0' holds other content" in str(_failures(caught)[0])
+    assert_same_state(_state(), CheckpointClient(b.url).load("pinned", 1))
