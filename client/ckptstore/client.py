@@ -45,7 +45,7 @@ from ckptstore.transport import (
     read_into,
     run_path,
 )
-from ckptstore_core.errors import CorruptData, InvalidRequest, InvalidStream
+from ckptstore_core.errors import CheckpointExists, CorruptData, InvalidRequest, InvalidStream
 from ckptstore_core.lossy import Lossy
 from ckptstore_core.names import check_run_name
 from ckptstore_core.records import (
@@ -489,6 +489,9 @@ class CheckpointClient:
             return part, writer.save_part(self.transport, path, run, part, specs, data)
 
         part, sent = self.transport.retry(attempt)
+        if sent.answer.get("committed"):  # the same tensors are committed at that step
+            writer.discard(sent)
+            return self._committed_again(path, metadata)
         try:
             commit = {"parts": [part], "metadata": metadata}
             info = self.transport.call("POST", path + "/commit", commit)
@@ -497,6 +500,18 @@ class CheckpointClient:
             raise
         writer.keep(sent)
         return CheckpointInfo.from_json(info)
+
+    def _committed_again(self, path: str, metadata: dict[str, str]) -> CheckpointInfo:
+        """A direct save of a step that is committed already, whose tensors the service
+        found the same: the same save again if its metadata (skeleton, the user's) is the
+        same too, else CheckpointExists (as a plain save of other content)."""
+        found = self.transport.call("GET", path + "/info")
+        if found["metadata"] != metadata:
+            raise CheckpointExists(
+                f"{path}: committed already with the same tensors but other metadata "
+                "(the state's non-tensor values, or the user's metadata)"
+            )
+        return CheckpointInfo.from_json(found["checkpoint"])
 
     def _fetch(
         self, run: str, step: int | str, prefix: str | None, map_location: Any, show: bool

@@ -42,7 +42,7 @@ from ckptstore.transport import (
     transport_of,
 )
 from ckptstore_core.dcp_layout import FULL, LAYOUT_KEY
-from ckptstore_core.errors import InvalidStream
+from ckptstore_core.errors import InvalidStream, ServiceUnavailable
 from ckptstore_core.names import PART_NAME_RULE, check_part_name
 from ckptstore_core.wire import FORMAT, TensorSpec, encode_header
 
@@ -133,10 +133,21 @@ def commit(
     parts: Sequence[str],
     metadata: Mapping[str, str],
 ) -> dict[str, Any]:
-    """Make checkpoint ``run/step`` of ``parts`` visible, with ``metadata``; the record."""
+    """Make checkpoint ``run/step`` of ``parts`` visible, with ``metadata``; the record.
+
+    A commit whose answer was lost (the connection died after it was sent) is asked again:
+    a commit is idempotent by its part names, so the retry answers 200 if the first one
+    landed. If no answer comes at all, the ServiceUnavailable says that the commit may have
+    landed: the same save again is then accepted (docs/client.md, "Retries")."""
     body = {"parts": [check_part_name(p) for p in parts], "metadata": dict(metadata)}
     path = f"{checkpoint_path(run, step)}/commit"
-    out: dict[str, Any] = transport_of(client).call("POST", path, body)
+    try:
+        out: dict[str, Any] = transport_of(client).call("POST", path, body)
+    except ServiceUnavailable as exc:
+        raise ServiceUnavailable(
+            f"{exc.message}; the commit of {run}/{step} may have landed all the same: "
+            "saving the same content again is accepted, other content is refused"
+        ) from exc
     return out
 
 

@@ -47,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptstore_core.errors import StorageUnavailable
 from ckptstore_service.cache import ANY, BaseCache, open_reader
 from ckptstore_service.catalog import Catalog, CheckpointRecord
 from ckptstore_service.chains import ChainSource, Piece
@@ -222,6 +223,10 @@ class CachePolicy:
                     if self._closing.is_set():
                         return  # closing the fill discards its file
             log.info("cached %s/%d: %d bytes decoded", info.run, info.step, info.raw_bytes)
+        except StorageUnavailable as exc:  # a database restart: a load fills it later
+            log.warning(
+                "could not cache %s/%d: %s", info.run, info.step, " ".join(str(exc).split())
+            )
         except Exception:
             log.exception("could not cache %s/%d", info.run, info.step)
         finally:

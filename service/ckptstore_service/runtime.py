@@ -114,6 +114,7 @@ class Runtime:
             self.cache.scratch,
             2 * self.budget.bytes_in_flight,
             self.metrics,
+            self.source.stream,
         )
         self.direct = DirectSaver(self.catalog, self.store, self.parts, self.settings, self.metrics)
 

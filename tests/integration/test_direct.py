@@ -289,3 +289,30 @@ def test_dcp_ranks_encode_their_own_parts_and_load_into_other_world_sizes(
         4: ("verified", 3),
     }
     assert listed[4]["parent_step"] == 2
+
+
+def test_a_direct_save_run_again_is_accepted_and_other_content_refused(
+    make_service: Callable[..., Service],
+) -> None:
+    """A direct save of a step committed already (its answer lost, the save run again under
+    a new part name): the same tensors and metadata are the same save, nothing stored; other
+    tensors, or the same tensors with other metadata, a 409."""
+    from ckptstore import CheckpointClient, CheckpointExists
+
+    service = make_service()
+    state = {"w": torch.arange(70_000, dtype=torch.float32), "step": 3}
+    with CheckpointClient(service.url, direct=True) as client:
+        first = client.save("again", 1, state)
+        blobs = sorted(p.name for p in service.data_dir.rglob("*.blob"))
+        again = client.save("again", 1, state)
+        assert (again.step, again.stored_bytes, again.created) == (
+            1,
+            first.stored_bytes,
+            first.created,
+        )
+        assert sorted(p.name for p in service.data_dir.rglob("*.blob")) == blobs
+        with pytest.raises(CheckpointExists, match="other content"):
+            client.save("again", 1, {**state, "w": state["w"] + 1})
+        with pytest.raises(CheckpointExists, match="other metadata"):
+            client.save("again", 1, {**state, "step": 4})
+        assert [c.step for c in client.list("again")] == [1]

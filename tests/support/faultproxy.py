@@ -11,6 +11,7 @@ server, PostgreSQL) and break the link on demand.
         proxy.clear()               # every fault off
 
     FaultProxy(host, port, http=True).slowdown(3)   # S3: the next 3 requests get a 503 SlowDown
+    FaultProxy(host, port, http=True).drop_answers(b"/commit", 1)   # a lost answer, below
 
 One asyncio event loop in a thread of the test process serves every connection: each
 accepted connection opens its own connection to the upstream and two pumps copy bytes
@@ -25,7 +26,10 @@ then a ``Content-Length`` body; a chunked body is passed through raw and ends th
 that connection), so that :meth:`FaultProxy.slowdown` can answer whole requests itself, the
 way S3 throttles: ``503`` with an ``<Error><Code>SlowDown</Code>`` XML body and
 ``Connection: close``. The request is not forwarded (its body, if sent, is read and
-dropped), and the connection is then closed cleanly.
+dropped), and the connection is then closed cleanly. :meth:`FaultProxy.drop_answers` loses
+answers instead: the matching request goes through whole, the upstream does its work, and
+when its answer begins the connection is reset on both sides, the answer unsent: the
+window in which a service committed but its client never heard so.
 
 :meth:`FaultProxy.stop` closes the listener and aborts every connection; it is idempotent.
 """
@@ -70,6 +74,7 @@ class _Link:
         self.client = client
         self.upstream: asyncio.StreamWriter | None = None
         self.tasks: list[asyncio.Task[None]] = []
+        self.drop_answer = False  # the answer to the request in flight is to be lost
 
     def reset(self) -> None:
         for writer in (self.client, self.upstream):
@@ -102,6 +107,9 @@ class FaultProxy:
         self.chunk_bytes = chunk_bytes
         self.port = 0
         self.accepted = self.resets = self.requests = self.slowdowns_sent = 0
+        self.answers_dropped = 0
+        self._drop_marker = b""
+        self._drops = 0
         self.held = self.forwarded = 0
         self._latency = 0.0
         self._refusing = False
@@ -214,11 +222,26 @@ class FaultProxy:
             raise ValueError("slowdown() needs FaultProxy(..., http=True)")
         self._call(lambda: setattr(self, "_slowdowns", requests))
 
+    def drop_answers(self, marker: bytes, requests: int) -> None:
+        """http mode: of the next ``requests`` requests whose request line holds ``marker``
+        (``b"/commit"``), each is forwarded whole, and its connection is reset on both sides
+        when the upstream's answer begins: the upstream did the work, the client gets a
+        "connection reset" instead of the answer (counted in :attr:`answers_dropped`)."""
+        if not self.http:
+            raise ValueError("drop_answers() needs FaultProxy(..., http=True)")
+
+        def arm() -> None:
+            self._drop_marker, self._drops = marker, requests
+
+        self._call(arm)
+
     def clear(self) -> None:
-        """Every fault off: no latency, forwarding, accepting, no SlowDown pending."""
+        """Every fault off: no latency, forwarding, accepting, no SlowDown pending, no
+        answer to drop."""
 
         def clear_all() -> None:
             self._latency, self._refusing, self._slowdowns = 0.0, False, 0
+            self._drops = 0
             self._gate().set()
 
         self._call(clear_all)
@@ -271,7 +294,7 @@ class FaultProxy:
             )
             link.tasks = [
                 asyncio.ensure_future(to_upstream),
-                asyncio.ensure_future(self._pump(up_reader, writer)),
+                asyncio.ensure_future(self._pump(up_reader, writer, link)),
             ]
             await asyncio.gather(*link.tasks, return_exceptions=True)
         finally:
@@ -301,13 +324,25 @@ class FaultProxy:
         finally:
             self.held -= 1
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Copy until EOF (then half-close the other side) or until either side fails."""
+    async def _pump(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        answers_of: _Link | None = None,
+    ) -> None:
+        """Copy until EOF (then half-close the other side) or until either side fails.
+        ``answers_of``: this pump carries that link's answers; one marked to be dropped
+        resets the link instead (:meth:`drop_answers`)."""
         try:
             while True:
                 data = await reader.read(self.chunk_bytes)
                 if not data:
                     break
+                if answers_of is not None and answers_of.drop_answer:
+                    self.answers_dropped += 1
+                    self.resets += 1
+                    answers_of.reset()
+                    return
                 await self._send(writer, data)
             if writer.can_write_eof():
                 writer.write_eof()
@@ -329,6 +364,9 @@ class FaultProxy:
                     break
                 self.requests += 1
                 length, chunked, expect = _framing(head)
+                if self._drops > 0 and self._drop_marker in head.split(b"\r\n", 1)[0]:
+                    self._drops -= 1
+                    link.drop_answer = True
                 if self._slowdowns > 0:
                     self._slowdowns -= 1
                     await self._answer_slowdown(link, reader, 0 if expect else length)

@@ -53,10 +53,13 @@ def shards(
     ]
 
 
-def dcp_layout(ranks: int = 2, rows: int = 64, cols: int = 512) -> str:
+def dcp_layout(
+    ranks: int = 2, rows: int = 64, cols: int = 512, parts: list[str] | None = None
+) -> str:
     """The DCP metadata (ckptstore's JSON form) of :func:`shards`: ``w`` and ``b`` split in
-    ``ranks`` row blocks."""
+    ``ranks`` row blocks, rank ``r``'s in part ``parts[r]`` (default ``rank-{r}``)."""
     per = rows // ranks
+    names = parts or [f"rank-{r}" for r in range(ranks)]
     tensor = {"t": "tensor", "dtype": "float32"}
     return json.dumps(
         {
@@ -83,8 +86,8 @@ def dcp_layout(ranks: int = 2, rows: int = 64, cols: int = 512) -> str:
                 entry
                 for r in range(ranks)
                 for entry in (
-                    ["w", [r * per, 0], f"rank-{r}", f"w@{r * per},0"],
-                    ["b", [r * per], f"rank-{r}", f"b@{r * per}"],
+                    ["w", [r * per, 0], names[r], f"w@{r * per},0"],
+                    ["b", [r * per], names[r], f"b@{r * per}"],
                 )
             ],
         }

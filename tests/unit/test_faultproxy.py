@@ -1,7 +1,8 @@
 """The fault-injecting proxy of the fault suite (support.faultproxy) does what it says:
 forwards bytes both ways unchanged, delays by its latency, stalls without closing, resets
-with a RST (seen as "connection reset", not as an EOF), refuses new connections, and answers
-S3's 503 SlowDown to exactly the next N HTTP requests."""
+with a RST (seen as "connection reset", not as an EOF), refuses new connections, answers
+S3's 503 SlowDown to exactly the next N HTTP requests, and loses the answers of the next N
+matching requests after forwarding them."""
 
 from __future__ import annotations
 
@@ -171,6 +172,39 @@ def test_slowdown_answers_the_next_n_requests_then_forwards() -> None:
             assert conn.getresponse().read() == b"after"
             conn.close()
             assert (proxy.slowdowns_sent, proxy.requests) == (2, 4)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_drop_answers_forwards_the_request_and_loses_its_answer() -> None:
+    """The upstream gets the matching request whole; its answer never reaches the client,
+    whose connection is reset; other requests, and the next ones, go through."""
+    got: list[bytes] = []
+
+    class Recording(_Ok):
+        def do_PUT(self) -> None:
+            got.append(self.path.encode())
+            super().do_PUT()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recording)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with FaultProxy("127.0.0.1", server.server_address[1], http=True) as proxy:
+            proxy.drop_answers(b"/commit", 1)
+            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+            conn.request("PUT", "/parts/a", body=b"part")  # not matching: forwarded
+            assert conn.getresponse().read() == b"part"
+            conn.request("PUT", "/commit", body=b"commit")
+            with pytest.raises((ConnectionError, http.client.HTTPException)):
+                conn.getresponse().read()
+            conn.close()
+            assert got == [b"/parts/a", b"/commit"]  # the upstream did the work
+            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+            conn.request("PUT", "/commit", body=b"again")  # asked again: answered
+            assert conn.getresponse().read() == b"again"
+            conn.close()
+            assert proxy.answers_dropped == 1
     finally:
         server.shutdown()
         server.server_close()

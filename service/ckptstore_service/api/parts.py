@@ -99,6 +99,7 @@ async def _stored_part(
         tensors=stored.n_tensors,
         raw_bytes=stored.raw_bytes,
         stored_bytes=stored.stored_bytes,
+        committed=stored.id == 0,  # the record of a part compared, not stored: no row
     )
     return JSONResponse(out.model_dump(), status_code=201 if created else 200)
 
@@ -153,7 +154,7 @@ async def save_encoded_part(
     status_code=201,
     response_model=CheckpointInfo,
     responses={
-        200: {"model": CheckpointInfo, "description": "Committed already, of these parts"},
+        200: {"model": CheckpointInfo, "description": "Committed already, with the same content"},
         **error_responses(InvalidRequest, CheckpointExists, PayloadTooLarge, StorageUnavailable),
     },
 )

@@ -61,6 +61,11 @@ class PartOut(BaseModel):
     tensors: int
     raw_bytes: int
     stored_bytes: int
+    committed: bool = Field(
+        default=False,
+        description="The step was committed already and holds this part's content: nothing "
+        "was stored (a save run again)",
+    )
 
 
 class CommitIn(BaseModel):

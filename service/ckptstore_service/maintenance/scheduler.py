@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from ckptstore_core.errors import StorageUnavailable
 from ckptstore_core.retention import RetentionPolicy
 from ckptstore_service.catalog import Catalog
 from ckptstore_service.maintenance.archive import apply_archival, runs_to_archive
@@ -41,7 +42,9 @@ class Maintenance:
     Starts at construction; :meth:`after_save` after each committed save (and
     :meth:`run_now` once a run's retention policy is set); :meth:`close`
     once, at shutdown. Errors of the background work are logged, never raised; each task's
-    runs, errors and results are counted into ``metrics``.
+    runs, errors and results are counted into ``metrics``. A database or store that cannot
+    be reached (StorageUnavailable: a PostgreSQL restart) is expected to come back: a pass
+    that meets it logs one WARNING line, no traceback, and the next pass tries again.
     """
 
     def __init__(
@@ -77,6 +80,8 @@ class Maintenance:
         self._due: dict[str, float] = {}  # run -> when its pass may start (monotonic)
         self._running = 0
         self._failed: dict[str, float] = {}  # run -> when a re-root may be tried again
+        self._pass = ""  # the pass running now, for the log: "the sweep", "run 'r'"
+        self._pass_unavailable = False  # its one line saying so is logged
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._pool = reroot_pool(workers)
@@ -129,6 +134,7 @@ class Maintenance:
         sweep_at = time.monotonic()  # first: what earlier processes left due
         while not self._stop.is_set():
             run = self._next(sweep_at)
+            self._begin_pass("the sweep" if run is None else f"run {run!r}")
             if run is None:
                 if not self._stop.is_set():
                     self._collect_garbage(None)
@@ -221,11 +227,26 @@ class Maintenance:
         gone = self._guarded("garbage", collect_garbage, self._catalog, self._store, run)
         self._metrics.garbage_collected(gone or 0)
 
+    def _begin_pass(self, name: str) -> None:
+        self._pass, self._pass_unavailable = name, False
+
     def _guarded(self, task: Task, fn: Callable[..., T], *args: object) -> T | None:
         """``fn(*args)``, counted as a run of ``task``; None if it failed (logged: background
-        work is retried later, never raised)."""
+        work is retried later, never raised). Storage out of reach is logged once per pass,
+        in one line: every task of the pass meets it, and a traceback says nothing more."""
         try:
             result = fn(*args)
+        except StorageUnavailable as exc:
+            if not self._pass_unavailable:
+                self._pass_unavailable = True
+                log.warning(
+                    "background maintenance failed (%s, %s): %s; tried again in the next pass",
+                    self._pass,
+                    task,
+                    " ".join(str(exc).split()),  # one line: libpq's messages span several
+                )
+            self._metrics.maintenance_run(task, ok=False)
+            return None
         except Exception:
             log.exception("background maintenance failed")
             self._metrics.maintenance_run(task, ok=False)

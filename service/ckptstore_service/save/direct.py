@@ -104,13 +104,21 @@ class DirectSaver:
         it = iter(body)
         parser, header, first = self._open(it)
         frames = _frames(parser, first, it)
-        checkpoint_id = self._open_checkpoint(run, step)
+        checkpoint_id, committed = self._parts.open_checkpoint(run, step)
+        if committed is not None:
+            what = f"part {name!r} of {run}/{step}, which is committed already"
+            stored = self._catalog.tensors(committed.id)
+            _check_same(header, _drained(frames, parser), stored, what)
+            return _unstored(committed.id, name, header), False
         with self._catalog.part_lock(run, step, name, blocking=False) as held:
             if held is None:
                 raise CheckpointExists(f"part {name!r} of {run}/{step} is being uploaded")
             existing = self._catalog.find_part(checkpoint_id, name)
             if existing is not None and existing.status == "done":
-                return self._same_part(existing, header, frames, parser), False
+                what = f"part {name!r} of {run}/{step}"
+                stored = self._catalog.part_tensors(existing)
+                _check_same(header, _drained(frames, parser), stored, what)
+                return existing, False
             if existing is not None:  # a crashed upload of this part: its lock is free
                 self._parts.collect(existing)
             self._store(run, step, checkpoint_id, name, header, frames, parser, held)
@@ -118,17 +126,6 @@ class DirectSaver:
         assert part is not None
         self._metrics.part_saved(part)
         return part, True
-
-    def _open_checkpoint(self, run: str, step: int) -> int:
-        """The id of the ``parts`` row of ``run/step``. Once the first part made it, the
-        others find it without the run's lock: a thousand ranks would otherwise queue on it
-        one by one (a commit that lands meanwhile fails their finish, CheckpointExists)."""
-        found = self._catalog.open_parts_of(run, step)
-        if found is not None:
-            return found
-        run_id = self._catalog.ensure_run(run)
-        with self._catalog.run_lock(run):
-            return self._catalog.open_parts(run_id, step)
 
     def _open(self, it: Iterator[bytes]) -> tuple[EncodedParser, Header, list[FramePiece]]:
         """The body's header, checked as a raw upload's is, and the frame pieces after it."""
@@ -200,21 +197,44 @@ class DirectSaver:
             stored_bytes,
         )
 
-    def _same_part(
-        self, part: PartRecord, header: Header, frames: Iterator[FramePiece], parser: EncodedParser
-    ) -> PartRecord:
-        """A finished part sent again: the same tensors (name, dtype, shape, checksum) are
-        an idempotent retry, anything else CheckpointExists."""
-        for _ in frames:
-            pass  # read to the tail, storing nothing
-        tail = parser.close()
-        sent = [
-            (t.name, t.dtype, t.shape, c) for t, c in zip(header.tensors, tail.tensors, strict=True)
-        ]
-        stored = [(t.name, t.dtype, t.shape, t.sent) for t in self._catalog.part_tensors(part)]
-        if sent != stored:
-            raise CheckpointExists(f"part {part.name!r} holds other data")
-        return part
+
+def _drained(frames: Iterator[FramePiece], parser: EncodedParser) -> Tail:
+    """The tail, read past every frame (storing nothing)."""
+    for _ in frames:
+        pass
+    return parser.close()
+
+
+def _check_same(header: Header, tail: Tail, stored: Sequence[TensorInfo], what: str) -> None:
+    """Return if every tensor of the part is one of ``stored`` by name, dtype and shape, with
+    the checksum it was sent as; else CheckpointExists naming ``what``. An encoded part
+    carries no raw bytes to compare a region of another layout with: such a part is sent
+    again raw (``direct=False``) to be compared through the DCP layout."""
+    by_name = {t.name: t for t in stored}
+    for spec, checksum in zip(header.tensors, tail.tensors, strict=True):
+        same = by_name.get(spec.name)
+        if same is None or (same.dtype, same.shape) != (spec.dtype, spec.shape):
+            raise CheckpointExists(
+                f"{what}: its tensor {spec.name!r} ({spec.dtype} {list(spec.shape)}) is not "
+                "stored there under that name (an encoded part is compared by name: send it "
+                "raw, direct=False, to compare it with another layout)"
+            )
+        if same.sent != checksum:
+            raise CheckpointExists(f"{what}: its tensor {spec.name!r} holds other content")
+
+
+def _unstored(checkpoint_id: int, name: str, header: Header) -> PartRecord:
+    """The record of a part that was the same content again: nothing stored."""
+    return PartRecord(
+        id=0,
+        checkpoint_id=checkpoint_id,
+        name=name,
+        blob_key="",
+        status="done",
+        raw_bytes=header.data_len,
+        stored_bytes=0,
+        n_tensors=len(header.tensors),
+    )
 
 
 def _copy(p: FramePiece) -> FramePiece:

@@ -14,6 +14,10 @@ run that names its shards the same way at each save pays deltas, like a single w
 While a part streams, its part lock is held (across replicas): a ``writing`` part whose lock
 is free has no writer, and its blob is collected. The commit takes the run's lock, checks
 that every named part is done, and makes the checkpoint visible in one transaction.
+
+A step committed already takes parts and commits of the same content again, storing nothing
+(a save whose answer was lost, retried under a new save token, maybe by another world size:
+:mod:`ckptstore_service.save.committed` defines *the same*); other content is a 409.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from ckptstore_service.chains import ChainDecoder, StoredBases
 from ckptstore_service.maintenance.garbage import delete_blob
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.names import check_part_name
+from ckptstore_service.restore import tensors_of
+from ckptstore_service.save.committed import ReadTensors, check_commit, check_part
 from ckptstore_service.save.header import Incoming, open_body, same_content, wait_for_data
 from ckptstore_service.save.plan import planner_for
 from ckptstore_service.save.upload import PartTransaction
@@ -64,6 +70,7 @@ class PartSaver:
         scratch: os.PathLike[str],
         keep_budget: int,
         metrics: Metrics,
+        read: ReadTensors,
     ) -> None:
         self._catalog = catalog
         self._store = store
@@ -73,22 +80,24 @@ class PartSaver:
         self._scratch = scratch
         self._keep_budget = keep_budget
         self._metrics = metrics
+        self._read = read
 
     def ingest_part(
         self, run: str, step: int, name: str, body: Iterable[bytes], content_length: int | None
     ) -> tuple[PartRecord, bool]:
         """Store part ``name`` of ``run/step``; returns (part, created). ``created`` is False
-        for a retry with the same content; other content raises CheckpointExists, as does a
-        step that is committed already or a part that is being uploaded right now."""
+        for a retry with the same content, also of a step committed already (then nothing
+        is stored: the record says ``stored_bytes`` 0); other content raises
+        CheckpointExists, as does a part that is being uploaded right now."""
         check_part_name(name)
         s = self._settings
         # no lock before the first tensor bytes arrive (see Saver.ingest)
         incoming = wait_for_data(open_body(body, content_length, s))
         if LOSSY_KEY in incoming.header.metadata:
             raise InvalidRequest(_NO_LOSSY_PARTS)
-        run_id = self._catalog.ensure_run(run)
-        with self._catalog.run_lock(run):
-            checkpoint_id = self._catalog.open_parts(run_id, step)
+        checkpoint_id, committed = self.open_checkpoint(run, step)
+        if committed is not None:
+            return self._committed_again(committed, name, incoming), False
         with self._catalog.part_lock(run, step, name, blocking=False) as held:
             if held is None:
                 raise CheckpointExists(f"part {name!r} of {run}/{step} is being uploaded")
@@ -105,6 +114,40 @@ class PartSaver:
         assert part is not None
         self._metrics.part_saved(part)
         return part, True
+
+    def open_checkpoint(self, run: str, step: int) -> tuple[int, CheckpointRecord | None]:
+        """The id of the ``parts`` row of ``run/step`` (made if there is none), or the
+        step's checkpoint if it is committed already (then the id is 0). Once the first part
+        made the row, the others find it without the run's lock: 1,024 ranks queued on it
+        one by one (bench/control_plane.py: parts p99 44 s); a commit landing meanwhile
+        fails their finish (CheckpointExists)."""
+        found = self._catalog.open_parts_of(run, step)
+        if found is not None:
+            return found, None
+        run_id = self._catalog.ensure_run(run)
+        with self._catalog.run_lock(run):
+            committed = self._catalog.find(run, step)
+            if committed is not None:
+                return 0, committed
+            return self._catalog.open_parts(run_id, step), None
+
+    def _committed_again(self, info: CheckpointRecord, name: str, incoming: Incoming) -> PartRecord:
+        """Part ``name`` of checkpoint ``info``, committed already, compared with it and not
+        stored (CheckpointExists for other content); a record of what it held."""
+        what = f"part {name!r} of {info.run}/{info.step}, which is committed already"
+        check_part(info, tensors_of(self._catalog, info), incoming, self._read, what)
+        header = incoming.header
+        log.info("part %s of %s/%d: committed already, the same content", name, info.run, info.step)
+        return PartRecord(
+            id=0,
+            checkpoint_id=info.id,
+            name=name,
+            blob_key="",
+            status="done",
+            raw_bytes=header.data_len,
+            stored_bytes=0,
+            n_tensors=len(header.tensors),
+        )
 
     def _store_part(
         self,
@@ -158,16 +201,17 @@ class PartSaver:
         self, run: str, step: int, names: Sequence[str], metadata: Mapping[str, str]
     ) -> tuple[CheckpointRecord, bool]:
         """Make ``run/step`` visible, made of the parts ``names`` in that order; returns
-        (record, created). A retried commit of the same parts is ``created=False``; parts
-        uploaded but not named are deleted."""
+        (record, created). A retried commit of the same parts is ``created=False``, as is a
+        commit of other parts with the same content (:func:`check_commit`: a save retried
+        under a new token); parts uploaded but not named are deleted."""
         for name in names:
             check_part_name(name)
         with self._catalog.run_lock(run) as lease:
             existing = self._catalog.find(run, step)
             if existing is not None:
-                if self._catalog.committed_parts(existing.id) == list(names):
-                    return existing, False
-                raise CheckpointExists(f"run {run!r} already has a checkpoint at step {step}")
+                committed = self._catalog.committed_parts(existing.id)
+                check_commit(existing, committed, names, metadata)
+                return existing, False
             if LOSSY_KEY in metadata:
                 raise InvalidRequest(_NO_LOSSY_PARTS)
             if USER_METADATA_KEY in metadata:
