@@ -27,14 +27,14 @@ def list_tokens(client: CheckpointClient, *, revoked: bool = False) -> list[Toke
 
 
 def create_token(
-    client: CheckpointClient, name: str, scope: str, runs: str | None = None
+    client: CheckpointClient, name: str, scope: str, runs: str
 ) -> tuple[str, TokenInfo]:
     """A new token: its secret (the only time anyone sees it) and its record. The name,
-    scope and run pattern are checked before anything is sent."""
+    scope and run pattern (``*`` for every run) are checked before anything is sent."""
     body = {
         "name": check_token_name(name),
         "scope": check_scope(scope),
-        "runs": None if runs is None else check_run_pattern(runs),
+        "runs": check_run_pattern(runs),
     }
     obj = _json_call(client, "POST", _TOKENS, body)
     return str(obj["token"]), TokenInfo.from_json(obj["info"])

@@ -53,7 +53,7 @@ def _log_auth(settings: Settings, required: bool, runtime: Runtime) -> None:
     elif not runtime.catalog.tokens.list():
         log.warning(
             "tokens: required (%s), and there are none yet: make one with "
-            "`ckptstore-service token create NAME --scope admin`",
+            "`ckptstore-service token create NAME --scope admin --runs '*'`",
             why,
         )
     else:
