@@ -80,6 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 window_s=settings.upload_rate_window_s,
             ),
             per_client=settings.uploads_per_client(),
+            header_bytes_per_client=settings.max_header_bytes,
         )
         app.state.maintenance = Maintenance(
             runtime.catalog,
