@@ -9,7 +9,6 @@ uploads cannot starve the thread pool the other routes use, and a consumer that 
 
 from __future__ import annotations
 
-import struct
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -294,7 +293,7 @@ def _announced_header(first: bytes | None, cap: int) -> int:
     short to say."""
     if first is None or len(first) < 8:
         return 0
-    (n,) = struct.unpack_from("<Q", first)
+    n = int.from_bytes(first[:8], "little")
     return min(n, cap) if cap else n
 
 
