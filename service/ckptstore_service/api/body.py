@@ -95,10 +95,12 @@ class Uploads:
                 f"more of {header_bytes} would pass its share of {cap} "
                 "(CKPTSTORE_MAX_HEADER_BYTES): retry once one is done"
             )
-        self._headers[client] = held + header_bytes
+        if header_bytes:
+            self._headers[client] = held + header_bytes
 
     def give_back_header(self, client: str, header_bytes: int) -> None:
-        _count_down(self._headers, client, header_bytes)
+        if header_bytes:
+            _count_down(self._headers, client, header_bytes)
 
     def in_use(self, client: str) -> int:
         """The slots ``client`` holds or waits for now."""
@@ -288,13 +290,13 @@ async def _with_length_prefix(first: bytes | None, body: AsyncIterator[bytes]) -
 
 
 def _announced_header(first: bytes | None, cap: int) -> int:
-    """The header length a safetensors body announces in its first 8 bytes, at most
-    ``cap`` (0: no cap; a longer one is refused by the parser at once); 0 for a body too
-    short to say."""
+    """The header length a safetensors body announces in its first 8 bytes; 0 for a body
+    too short to say, or for one over ``cap`` (0: no cap): the parser refuses that one on
+    its first 8 bytes (413), before buffering any of it."""
     if first is None or len(first) < 8:
         return 0
     n = int.from_bytes(first[:8], "little")
-    return min(n, cap) if cap else n
+    return 0 if cap and n > cap else n  # over the cap: the parser's 413, never buffered
 
 
 async def _consume(
