@@ -90,7 +90,9 @@ def _token_parser(
     p = actions.add_parser("create", parents=[common], help="make a token; print its secret")
     p.add_argument("name", help="a label, unique among the tokens in use (ci-team-a)")
     p.add_argument("--scope", required=True, choices=SCOPES, help="read < write < admin")
-    p.add_argument("--runs", help=f"limit it to some runs: {PATTERN_RULE}")
+    p.add_argument(
+        "--runs", required=True, help=f"the runs it covers ('*': every run): {PATTERN_RULE}"
+    )
     p = actions.add_parser("list", parents=[common], help="the tokens (never their secrets)")
     p.add_argument("--all", action="store_true", help="the revoked tokens too")
     p.add_argument("--json", action="store_true", help="machine-readable output")

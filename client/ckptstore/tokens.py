@@ -27,15 +27,13 @@ def list_tokens(client: Via, *, revoked: bool = False) -> list[TokenInfo]:
     return [TokenInfo.from_json(t) for t in obj["tokens"]]
 
 
-def create_token(
-    client: Via, name: str, scope: str, runs: str | None = None
-) -> tuple[str, TokenInfo]:
+def create_token(client: Via, name: str, scope: str, runs: str) -> tuple[str, TokenInfo]:
     """A new token: its secret (the only time anyone sees it) and its record. The name,
-    scope and run pattern are checked before anything is sent."""
+    scope and run pattern (``*`` for every run) are checked before anything is sent."""
     body = {
         "name": check_token_name(name),
         "scope": check_scope(scope),
-        "runs": None if runs is None else check_run_pattern(runs),
+        "runs": check_run_pattern(runs),
     }
     obj = transport_of(client).call("POST", _TOKENS, body, retried=False)
     return str(obj["token"]), TokenInfo.from_json(obj["info"])

@@ -12,7 +12,9 @@ Scopes are ordered, each allowing what the ones below it allow:
 A run pattern limits a token to some runs. Run names hold no ``/`` (see :mod:`.names`), so a
 pattern is a comma-separated list of globs over run-name characters in which ``*`` stands for
 any run-name characters (none included): ``team-a-*`` covers ``team-a-exp1``; ``team-a-*,
-shared`` also covers ``shared``. No pattern (``None``) covers every run.
+shared`` also covers ``shared``. A token covers every run only when asked for: the
+pattern ``*`` (stored and listed as no pattern, ``None``). An empty, blank or missing pattern
+is refused, never read as "every run".
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from typing import Any, Final, Literal, Self, get_args
 from ckptstore_core.errors import InvalidRequest
 
 __all__ = [
+    "EVERY_RUN",
     "PATTERN_RULE",
     "SCOPES",
     "TOKEN_NAME_RULE",
     "Scope",
     "TokenInfo",
     "check_run_pattern",
+    "token_runs",
     "check_scope",
     "check_token_name",
     "token_table",
@@ -48,8 +52,9 @@ _MAX_PATTERN = 1024
 _RUN_CHARS = "[A-Za-z0-9._-]*"  # what a * stands for
 PATTERN_RULE = (
     "a comma-separated list of globs of 1-128 of A-Z a-z 0-9 . _ - * each, "
-    "where * stands for any run-name characters (team-a-*)"
+    "where * stands for any run-name characters (team-a-*); '*' alone: every run"
 )
+EVERY_RUN: Final = "*"
 
 
 _TOKEN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -128,6 +133,17 @@ def check_run_pattern(pattern: str) -> str:
     if len(pattern) > _MAX_PATTERN or not all(_GLOB.fullmatch(g) for g in globs):
         raise InvalidRequest(f"invalid run pattern {pattern!r}: {PATTERN_RULE}")
     return pattern
+
+
+def token_runs(pattern: str | None) -> str | None:
+    """The run pattern a new token is given for ``pattern``: ``None`` (every run) for
+    :data:`EVERY_RUN`, else the checked pattern. A missing (``None``), empty or blank
+    pattern is InvalidRequest: a token covers every run only when asked for with ``*``."""
+    if pattern is None:
+        every = f"'{EVERY_RUN}' for every run"
+        raise InvalidRequest(f"a token needs a run pattern ({every}): {PATTERN_RULE}")
+    checked = check_run_pattern(pattern)
+    return None if checked == EVERY_RUN else checked
 
 
 def pattern_matches(pattern: str | None, run: str) -> bool:

@@ -195,14 +195,15 @@ def chunk_cut(header: Header, chunk_bytes: int) -> Iterator[tuple[int, int, int]
 
 
 class EncodedParser:
-    """Push parser of an encoded upload (see the module's docstring), for chunks of
-    ``chunk_bytes``: a frame holds at most a chunk and its codec's headers, there are as
-    many frames as the header's tensors have chunks (:func:`chunk_cut`), ``max_tail``
-    bounds the tail's JSON. :meth:`close` returns the tail once the body ended exactly
-    after it (InvalidStream otherwise)."""
+    """Push parser of an encoded upload (see the module's docstring): ``header`` parses its
+    safetensors header, within the caller's limits; for chunks of ``chunk_bytes``, a
+    frame holds at most a chunk and its codec's headers, there are as many frames as the
+    header's tensors have chunks (:func:`chunk_cut`), ``max_tail`` bounds the tail's
+    JSON. :meth:`close` returns the tail once the body ended exactly after it
+    (InvalidStream otherwise)."""
 
-    def __init__(self, max_header_bytes: int, chunk_bytes: int, max_tail: int) -> None:
-        self._header = StreamParser(max_header_bytes)
+    def __init__(self, header: StreamParser, chunk_bytes: int, max_tail: int) -> None:
+        self._header = header
         self._chunk_bytes = chunk_bytes
         self._max_frame = max(codec.chunk_step(8, chunk_bytes), chunk_bytes) + _FRAME_SLACK
         self.max_frames = 0  # known once the header is

@@ -194,6 +194,69 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return obj
 
 
+_INFO_KEYS = ("dtype", "shape", "data_offsets")
+_DTYPES = {d: d for d in DTYPE_SIZES}  # one string object per dtype, shared by every tensor
+
+
+class _Info:
+    """A tensor's ``{"dtype", "shape", "data_offsets"}`` object as the JSON parser hands it
+    back when its types are right (values are checked later, where the name is known): a
+    fraction of the dict, lists and strings it would otherwise keep until the end."""
+
+    __slots__ = ("begin", "dims", "dtype", "end")
+
+    def __init__(self, dtype: str, dims: tuple[int, ...], begin: int, end: int) -> None:
+        self.dtype, self.dims, self.begin, self.end = dtype, dims, begin, end
+
+
+class _Objects:
+    """The json object hook of one header: each tensor's object shrunk to an :class:`_Info`
+    as soon as it is parsed, and PayloadTooLarge as soon as the header holds more objects
+    than ``max_tensors`` tensors need (each, the metadata and the header itself: one), so
+    an oversized header is refused before it costs more memory than the allowed one."""
+
+    def __init__(self, max_tensors: int | None, limit_name: str) -> None:
+        self._left = None if max_tensors is None else max_tensors + 2
+        self._max_tensors = max_tensors
+        self._limit_name = f" ({limit_name})" if limit_name else ""
+
+    def __call__(self, pairs: list[tuple[str, object]]) -> object:
+        if self._left is not None:
+            self._left -= 1
+            if self._left < 0:
+                self.refuse()
+        if len(pairs) == 3 and tuple(sorted(k for k, _ in pairs)) == _SORTED_INFO_KEYS:
+            info = _shrunk(dict(pairs))
+            if info is not None:
+                return info
+        return _unique_keys(pairs)
+
+    def check_count(self, tensors: int) -> None:
+        """The exact check, once the header is parsed (the count above allows 2 more)."""
+        if self._max_tensors is not None and tensors > self._max_tensors:
+            self.refuse()
+
+    def refuse(self) -> None:
+        raise PayloadTooLarge(
+            f"the header declares more than {self._max_tensors} tensors, the most one "
+            f"checkpoint (or part) may hold{self._limit_name}"
+        )
+
+
+_SORTED_INFO_KEYS = tuple(sorted(_INFO_KEYS))
+
+
+def _shrunk(obj: dict[str, object]) -> _Info | None:
+    """``obj`` as an :class:`_Info` if its values have the right types, else None (then the
+    dict stays, and :func:`_parse_header_json` says what is wrong with it)."""
+    dtype, shape, offsets = obj["dtype"], obj["shape"], obj["data_offsets"]
+    if not isinstance(dtype, str) or not isinstance(shape, list) or not isinstance(offsets, list):
+        return None
+    if len(offsets) != 2 or not all(type(v) is int for v in (*shape, *offsets)):
+        return None
+    return _Info(_DTYPES.get(dtype, dtype), tuple(shape), offsets[0], offsets[1])
+
+
 def _is_text(value: str) -> bool:
     """Whether ``value`` is Unicode text: JSON's \\u escapes can also spell lone surrogates,
     which no UTF-8 database column, JSON encoder or file name takes."""
@@ -218,9 +281,19 @@ def _check_extent(name: str, dims: tuple[int, ...]) -> None:
             )
 
 
-def _parse_header_json(raw: bytes, header_len: int) -> Header:
+def _parse_header_json(
+    raw: bytearray, header_len: int, max_tensors: int | None, limit_name: str = ""
+) -> Header:
+    """The header of ``raw`` (its JSON), holding at most ``max_tensors`` tensors. Memory: a
+    small multiple of ``len(raw)`` (each tensor's object is shrunk as it is parsed, and too
+    many are refused as soon as they are counted)."""
     try:
-        obj = json.loads(raw, object_pairs_hook=_unique_keys)
+        # as json.loads decodes bytes; then the bytes go, before the objects come
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+        raw.clear()
+        objects = _Objects(max_tensors, limit_name)
+        obj = json.loads(text, object_pairs_hook=objects)
+        del text
     except (ValueError, RecursionError) as exc:  # bad JSON/UTF-8, 4300+ digit ints, nesting
         raise InvalidStream(f"header is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
@@ -232,32 +305,12 @@ def _parse_header_json(raw: bytes, header_len: int) -> Header:
         raise InvalidStream("__metadata__ must map strings to strings")
     if not all(_is_text(k) and _is_text(v) for k, v in meta.items()):
         raise InvalidStream("__metadata__ holds a lone surrogate (\\ud800-\\udfff), not text")
+    objects.check_count(len(obj))
     specs = []
-    for name, info in obj.items():
-        if not name:
-            raise InvalidStream("empty tensor name")
-        if not _is_text(name):
-            raise InvalidStream(f"tensor name {name!r} holds a lone surrogate")
-        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise InvalidStream(f"tensor {name!r}: expected keys dtype, shape, data_offsets")
-        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if not isinstance(dtype, str):
-            raise InvalidStream(f"tensor {name!r}: dtype must be a string")
-        if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
-            raise InvalidStream(f"tensor {name!r}: shape must be a list of at most 64 dims")
-        dims = tuple(_as_int(d, f"tensor {name!r}: dimension") for d in shape)
-        _check_extent(name, dims)
-        if not isinstance(offsets, list) or len(offsets) != 2:
-            raise InvalidStream(f"tensor {name!r}: data_offsets must be [begin, end]")
-        begin = _as_int(offsets[0], f"tensor {name!r}: data_offsets")
-        end = _as_int(offsets[1], f"tensor {name!r}: data_offsets")
-        expected = tensor_nbytes(dtype, dims)
-        if end - begin != expected:
-            raise InvalidStream(
-                f"tensor {name!r}: data_offsets span {end - begin} bytes but dtype {dtype} "
-                f"x shape {list(dims)} needs {expected}"
-            )
-        specs.append(TensorSpec(name, dtype, dims, begin, end))
+    while obj:
+        name, info = obj.popitem()  # from the end: each object is freed once it is a spec
+        specs.append(_spec(name, info))
+    specs.reverse()  # the header's order, which the sort keeps among empty tensors
     specs.sort(key=lambda s: (s.begin, s.end))
     position = 0
     for spec in specs:
@@ -268,6 +321,37 @@ def _parse_header_json(raw: bytes, header_len: int) -> Header:
     return Header(tuple(specs), meta, header_len)
 
 
+def _spec(name: str, info: object) -> TensorSpec:
+    """The checked :class:`TensorSpec` of tensor ``name``'s object (InvalidStream naming it)."""
+    if not name:
+        raise InvalidStream("empty tensor name")
+    if not _is_text(name):
+        raise InvalidStream(f"tensor name {name!r} holds a lone surrogate")
+    if isinstance(info, _Info):
+        dtype, shape, offsets = info.dtype, info.dims, [info.begin, info.end]
+    elif not isinstance(info, dict) or set(info) != set(_INFO_KEYS):
+        raise InvalidStream(f"tensor {name!r}: expected keys dtype, shape, data_offsets")
+    else:
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str):
+        raise InvalidStream(f"tensor {name!r}: dtype must be a string")
+    if not isinstance(shape, (list, tuple)) or len(shape) > _MAX_DIMS:
+        raise InvalidStream(f"tensor {name!r}: shape must be a list of at most 64 dims")
+    dims = tuple(_as_int(d, f"tensor {name!r}: dimension") for d in shape)
+    _check_extent(name, dims)
+    if not isinstance(offsets, list) or len(offsets) != 2:
+        raise InvalidStream(f"tensor {name!r}: data_offsets must be [begin, end]")
+    begin = _as_int(offsets[0], f"tensor {name!r}: data_offsets")
+    end = _as_int(offsets[1], f"tensor {name!r}: data_offsets")
+    expected = tensor_nbytes(dtype, dims)
+    if end - begin != expected:
+        raise InvalidStream(
+            f"tensor {name!r}: data_offsets span {end - begin} bytes but dtype {dtype} "
+            f"x shape {list(dims)} needs {expected}"
+        )
+    return TensorSpec(name, dtype, dims, begin, end)
+
+
 class StreamParser:
     """Push parser for a safetensors stream.
 
@@ -276,11 +360,24 @@ class StreamParser:
     objects in stream order. Call :meth:`close` at the end of the input: it raises
     :class:`InvalidStream` if the stream stopped early. Bytes past the promised end raise
     at once. Pieces are views into the fed buffer: copy them before feeding again.
+
+    A header longer than ``max_header_bytes``, or declaring more than ``max_tensors``
+    tensors, is PayloadTooLarge (its message names ``limit_name``, the setting, if given);
+    reading one costs a small multiple of its length (about 5x: its bytes, their text, the
+    tensors' objects), and one declaring too many tensors about 2x.
     """
 
-    def __init__(self, max_header_bytes: int = 100 << 20, max_total_bytes: int | None = None):
+    def __init__(
+        self,
+        max_header_bytes: int = 100 << 20,
+        max_total_bytes: int | None = None,
+        max_tensors: int | None = None,
+        limit_name: str = "",
+    ):
+        self._limit_name = limit_name
         self._max_header = max_header_bytes
         self._max_total = max_total_bytes
+        self._max_tensors = max_tensors
         self._buf = bytearray()  # only holds the length prefix and the header
         self._header_len: int | None = None
         self._prefix = b""  # the length prefix, for the error if the header is no JSON object
@@ -349,7 +446,8 @@ class StreamParser:
             )
         if len(self._buf) < self._header_len:
             return view
-        header = _parse_header_json(bytes(self._buf), 8 + self._header_len)
+        raw, self._buf = self._buf, bytearray()  # the parse frees it once it is text
+        header = _parse_header_json(raw, 8 + self._header_len, self._max_tensors, self._limit_name)
         if self._max_total is not None and header.total_len > self._max_total:
             raise PayloadTooLarge(
                 f"checkpoint of {header.total_len} bytes exceeds the limit of "

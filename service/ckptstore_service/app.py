@@ -76,7 +76,7 @@ def _log_auth(settings: Settings, required: bool, runtime: Runtime) -> None:
     elif not runtime.catalog.tokens.list():
         log.warning(
             "tokens: required (%s), and there are none yet: make one with "
-            "`ckptstore-service token create NAME --scope admin`",
+            "`ckptstore-service token create NAME --scope admin --runs '*'`",
             why,
         )
     else:
@@ -103,6 +103,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 window_s=settings.upload_rate_window_s,
             ),
             per_client=settings.uploads_per_client(),
+            header_bytes_per_client=settings.max_header_bytes,
         )
         app.state.maintenance = Maintenance(
             runtime.catalog,

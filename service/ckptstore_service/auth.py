@@ -23,11 +23,11 @@ from typing import Literal
 from ckptstore_core.access import (
     Scope,
     TokenInfo,
-    check_run_pattern,
     check_scope,
     check_token_name,
     pattern_matches,
     scope_allows,
+    token_runs,
 )
 from ckptstore_service.catalog.tokens import TokenStore
 
@@ -109,8 +109,9 @@ def issue_token(
     store: TokenStore, name: str, scope: str, runs: str | None
 ) -> tuple[str, TokenInfo]:
     """Create a token: its secret (shown once, never stored) and its record. InvalidRequest
-    for a bad name, scope or run pattern, or a name in use."""
-    checked_runs = check_run_pattern(runs) if runs and runs != "*" else None
+    for a bad name, scope or run pattern (``runs`` is required: ``*`` for every run), or a
+    name in use."""
+    checked_runs = token_runs(runs)
     secret = new_token()
     info = store.create(
         check_token_name(name), check_scope(scope), checked_runs, hash_token(secret)

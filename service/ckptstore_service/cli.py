@@ -181,7 +181,9 @@ def _token_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     create = actions.add_parser("create", parents=[db_url], help="make a token; print its secret")
     create.add_argument("name", help="a label, unique among the tokens in use (ci-team-a)")
     create.add_argument("--scope", required=True, choices=SCOPES, help="read < write < admin")
-    create.add_argument("--runs", help=f"limit it to some runs: {PATTERN_RULE}")
+    create.add_argument(
+        "--runs", required=True, help=f"the runs it covers ('*': every run): {PATTERN_RULE}"
+    )
     listing = actions.add_parser("list", parents=[db_url], help="the tokens (never secrets)")
     listing.add_argument("--all", action="store_true", help="the revoked tokens too")
     listing.add_argument("--json", action="store_true")

@@ -25,11 +25,22 @@ MAX_STEP = (1 << 63) - 1
 
 
 def parse_step(step: str, *, allow_latest: bool = False) -> int | None:
-    """A step path segment: a non-negative integer (or ``latest`` when allowed -> None)."""
+    """A step path segment: a non-negative integer written canonically, as the service
+    writes it (or ``latest`` when allowed -> None). ``05``, ``+5``, `` 5`` are not step 5
+    (InvalidRequest): one checkpoint has one path, so a cache, a log or a token's audit never
+    sees two names for it."""
     if allow_latest and step == "latest":
         return None
-    if not step.isascii() or not step.isdigit() or len(step) > 19 or int(step) > MAX_STEP:
-        what = "a non-negative integer" + (" or 'latest'" if allow_latest else "")
+    if (
+        not step.isascii()
+        or not step.isdigit()
+        or len(step) > 19
+        or (step.startswith("0") and step != "0")
+        or int(step) > MAX_STEP
+    ):
+        what = "a non-negative integer without leading zeros" + (
+            " or 'latest'" if allow_latest else ""
+        )
         raise InvalidRequest(f"invalid step {step!r}: expected {what}")
     return int(step)
 

@@ -59,6 +59,13 @@ class Settings(BaseSettings):
         description="A checkpoint written in parts (a distributed save) that no commit made "
         "visible this long after its first part arrived is abandoned: its parts are deleted.",
     )
+    delete_parts_wait_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="An admin delete (of a checkpoint or a run) waits this long for the "
+        "run's checkpoint being written in parts to be committed; then that checkpoint is "
+        "abandoned: its parts are collected and its commit fails (docs/lifecycle.md).",
+    )
     sweep_interval_s: float = Field(
         default=60.0,
         gt=0,

@@ -142,17 +142,17 @@ def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 def tokens(svc: Service) -> dict[str, str]:
     """The admin token from the service's command (the bootstrap), the others from the
     HTTP API; "revoked" is revoked at once. Two runs saved: team-a-1 and team-b-1."""
-    made = service_cli(svc.data_dir, "token", "create", "admin", "--scope", "admin")
+    made = service_cli(svc.data_dir, "token", "create", "admin", "--scope", "admin", "--runs", "*")
     assert made.returncode == 0, made.stderr
     out = {"admin": made.stdout.strip()}
     with httpx.Client(base_url=svc.url, headers=_bearer(out["admin"])) as http:
         for name, scope, runs in [
-            ("reader", "read", None),
-            ("writer", "write", None),
+            ("reader", "read", "*"),
+            ("writer", "write", "*"),
             ("reader-a", "read", "team-a-*"),
             ("writer-a", "write", "team-a-*"),
             ("admin-a", "admin", "team-a-*"),
-            ("revoked", "admin", None),
+            ("revoked", "admin", "*"),
         ]:
             answer = http.post("/v1/tokens", json={"name": name, "scope": scope, "runs": runs})
             assert answer.status_code == 201, answer.text
@@ -370,7 +370,7 @@ def test_the_client_and_the_command_send_ckptstore_token(
 def test_token_commands_on_the_database_store_only_hashes(
     svc: Service, tokens: dict[str, str]
 ) -> None:
-    made = service_cli(svc.data_dir, "token", "create", "ops", "--scope", "read")
+    made = service_cli(svc.data_dir, "token", "create", "ops", "--scope", "read", "--runs", "*")
     assert made.returncode == 0, made.stderr
     secret = made.stdout.strip()
     with CheckpointClient(svc.url, token=secret) as client:
@@ -405,9 +405,9 @@ def test_token_command_refusals_name_the_problem(
     # in-process: the command's messages (the subprocess runs are above)
     monkeypatch.setenv("CKPTSTORE_DATA_DIR", str(svc.data_dir))
     for args, message in [
-        (["create", "admin", "--scope", "read"], "a token named 'admin' exists already"),
+        (["create", "admin", "--scope", "read", "--runs", "*"], "named 'admin' exists already"),
         (["create", "x", "--scope", "read", "--runs", "a/b"], "invalid run pattern 'a/b'"),
-        (["create", "two words", "--scope", "read"], "invalid token name"),
+        (["create", "two words", "--scope", "read", "--runs", "*"], "invalid token name"),
         (["revoke", "nobody"], "no token in use is named (or numbered) 'nobody'"),
     ]:
         assert service_main(["token", *args]) == 1, args
@@ -486,3 +486,25 @@ def test_the_dcp_writer_passes_the_token_and_stays_picklable() -> None:
     assert writer.client_options["token"] == "ckpt_w"
     with CheckpointClient("http://h:1", **writer.client_options) as client:
         assert client.transport._authorization == "Bearer ckpt_w"
+
+
+def test_a_token_for_every_run_is_asked_for_explicitly(
+    svc: Service, tokens: dict[str, str]
+) -> None:
+    """An empty, blank or missing run pattern is refused (400 over HTTP, exit 1 from the
+    command) and makes no token: ``*`` is how a token for every run is asked for."""
+    with httpx.Client(base_url=svc.url, headers=_bearer(tokens["admin"])) as http:
+        for body in ({"runs": ""}, {"runs": "  "}, {"runs": None}, {}):
+            answer = http.post("/v1/tokens", json={"name": "blank", "scope": "read", **body})
+            assert answer.status_code == 400, (body, answer.text)
+            assert answer.json()["error"]["code"] == "invalid_request"
+        names = [t["name"] for t in http.get("/v1/tokens").json()["tokens"]]
+        assert "blank" not in names
+    for runs in ([], ["--runs", ""], ["--runs", " "]):
+        made = service_cli(svc.data_dir, "token", "create", "blank", "--scope", "read", *runs)
+        assert made.returncode != 0 and made.stdout == "", made.stdout
+    every = service_cli(svc.data_dir, "token", "create", "every", "--scope", "read", "--runs", "*")
+    assert every.returncode == 0, every.stderr
+    assert "every run" in every.stderr
+    with CheckpointClient(svc.url, token=every.stdout.strip()) as client:
+        assert {"team-a-1", "team-b-1"} <= {r.name for r in client.runs()}

@@ -203,6 +203,10 @@ BAD_PATHS = {
     "step-space": BadPath(
         "/v1/runs/step-space/checkpoints/%201", 400, "invalid_request", ("step-space",)
     ),
+    "step-leading-zero": BadPath(
+        "/v1/runs/step-zero/checkpoints/05", 400, "invalid_request", ("step-zero",)
+    ),
+    "step-zeros": BadPath("/v1/runs/step-00/checkpoints/00", 400, "invalid_request", ("step-00",)),
     "step-hex": BadPath("/v1/runs/step-hex/checkpoints/0x1", 400, "invalid_request", ("step-hex",)),
     "step-2-64": BadPath(
         f"/v1/runs/step-264/checkpoints/{2**64}", 400, "invalid_request", ("step-264",)
@@ -248,6 +252,29 @@ def test_get_latest_of_unknown_run(service: Service) -> None:
     response = client_for(service).get("/v1/runs/never-saved/checkpoints/3")
     assert_error(response, 404, "run_not_found")
     assert_nothing_stored(service, "never-saved")
+
+
+def test_only_canonical_steps_name_a_checkpoint(service: Service) -> None:
+    """``05``, ``+5``, `` 5`` and ``5 `` are not step 5: every route that takes a step refuses
+    them (400) and touches nothing; ``0`` is step 0."""
+    prefix, data = valid_body(seed=4)
+    assert post(service, "canonical", "5", prefix + data).status_code == 201
+    assert post(service, "canonical", "0", prefix + data).status_code == 201
+    client = client_for(service)
+    for step in ("05", "005", "+5", "%205", "5%20", "%2B5"):
+        for method, suffix in [
+            ("GET", ""),
+            ("GET", "/info"),
+            ("DELETE", ""),
+            ("PUT", "/pin"),
+            ("PUT", "/parts/rank-0"),
+            ("POST", "/commit"),
+        ]:
+            path = f"/v1/runs/canonical/checkpoints/{step}{suffix}"
+            response = client.send(client.build_request(method, path, content=b"{}"))
+            assert_error(response, 400, "invalid_request")
+    assert stored_data(service, "canonical", "5") == data
+    assert stored_data(service, "canonical", "0") == data
 
 
 def test_get_missing_step_of_existing_run(service: Service) -> None:

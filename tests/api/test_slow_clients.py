@@ -14,6 +14,7 @@ import httpx
 import torch
 
 from ckptstore import CheckpointClient
+from ckptstore_core.wire import encode_header
 from support.bodies import (
     assert_error,
     assert_nothing_stored,
@@ -191,3 +192,40 @@ def test_one_client_holds_at_most_its_share_of_the_upload_slots(
     saver.join()
     with CheckpointClient(svc.url) as client:
         assert torch.equal(client.load("third")["w"], torch.arange(16.0))
+
+
+def test_one_client_holds_at_most_one_headers_worth_of_header_memory(
+    make_service: Callable[..., Service],
+) -> None:
+    """Headers in flight cost memory (a multiple of their size) until their upload ends:
+    one client's add up to at most CKPTSTORE_MAX_HEADER_BYTES at once (4 of its 78 MB
+    headers took 4 GB). One more that would pass it is a 503 too_many_uploads, refused on
+    its first 8 bytes, before its header is buffered; a small one still goes through."""
+    svc = make_service(
+        {
+            **LIMITS,
+            "CKPTSTORE_UPLOAD_IDLE_TIMEOUT_S": "30",
+            "CKPTSTORE_MAX_CONCURRENT_UPLOADS": "8",
+            "CKPTSTORE_MAX_UPLOADS_PER_CLIENT": "8",
+            "CKPTSTORE_MAX_HEADER_BYTES": str(1 << 20),
+        }
+    )
+    prefix, _ = encode_header([("w", "F32", (4,))], {"pad": "x" * (600 << 10)})  # 600 KiB
+    big = prefix + bytes(16)
+    held = partial_upload(svc.url, "big-0", 1, big[:-8], len(big), timeout=20)
+    try:
+        wait_until(lambda: "big-0" in uploading(svc), what="the first big header in flight")
+        refused = httpx.post(f"{svc.url}/v1/runs/big-1/checkpoints/1", content=big, timeout=30)
+        assert_error(refused, 503, "too_many_uploads")
+        assert "CKPTSTORE_MAX_HEADER_BYTES" in refused.json()["error"]["message"]
+        prefix, data = valid_body(seed=7)
+        small = httpx.post(
+            f"{svc.url}/v1/runs/small/checkpoints/1", content=prefix + data, timeout=30
+        )
+        assert small.status_code == 201, small.text
+    finally:
+        held.close()
+    wait_until(lambda: "big-0" not in uploading(svc), what="the first upload gone")
+    again = httpx.post(f"{svc.url}/v1/runs/big-1/checkpoints/1", content=big, timeout=30)
+    assert again.status_code == 201, again.text
+    assert_nothing_stored(svc, "big-0")

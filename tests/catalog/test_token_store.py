@@ -20,7 +20,7 @@ def test_tokens_by_hash_names_unique_in_use(database_url: str) -> None:
         assert (info.scope, info.runs, info.revoked) == ("write", "team-a-*", None)
         assert store.find(hash_token(secret + "x")) is None
         with pytest.raises(InvalidRequest, match="exists already"):
-            issue_token(store, "ci", "read", None)
+            issue_token(store, "ci", "read", "*")
 
         revoked = store.revoke("ci")
         assert revoked is not None and revoked.revoked is not None
@@ -32,5 +32,20 @@ def test_tokens_by_hash_names_unique_in_use(database_url: str) -> None:
         assert [t.name for t in store.list()] == []
         assert [t.id for t in store.list(revoked=True)] == [info.id, new.id]
         assert store.find(hash_token(again)) is None
+    finally:
+        catalog.close()
+
+
+@pytest.mark.parametrize("runs", ["", " ", "  ", None, "a,", ",a", "a b"])
+def test_a_token_for_every_run_is_asked_for_with_a_star(
+    database_url: str, runs: str | None
+) -> None:
+    """An empty, blank or missing run pattern is refused: only ``*`` covers every run."""
+    catalog = Catalog(database_url)
+    try:
+        catalog.upgrade()
+        with pytest.raises(InvalidRequest, match="run pattern"):
+            issue_token(catalog.tokens, "ci", "write", runs)
+        assert catalog.tokens.list() == []
     finally:
         catalog.close()

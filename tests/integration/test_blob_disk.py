@@ -172,3 +172,39 @@ def test_a_service_starts_on_a_read_only_blob_disk_with_a_crashed_upload(
     with CheckpointClient(svc.url, retries=0) as client:
         client.save("crash", 2, {"w": w + 1})
         assert_same_state({"w": w}, client.load("crash", 1))
+
+
+def _fill(path: Path) -> None:
+    """Take every free byte of the filesystem at ``path``."""
+    with open(path / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (64 << 10))
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_a_full_catalog_disk_is_a_503_and_the_service_goes_on(
+    make_service: Callable[..., Service], tmpfs: Callable[[int], Path], tmp_path: Path
+) -> None:
+    # SQLite's "database or disk is full" was a 500 internal_error (with the statement's
+    # text); PostgreSQL's disk_full (SQLSTATE 53100) already was a 503
+    disk = tmpfs(8 * MiB)
+    env = {"CKPTSTORE_DATABASE_URL": f"sqlite:///{disk}/catalog.sqlite3"}
+    svc = make_service(env, tmp_path / "data")
+    w = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    with CheckpointClient(svc.url, retries=0) as client:
+        client.save("full-db", 1, {"w": w})
+        _fill(disk)
+        try:
+            for step in (2, 3):
+                with pytest.raises(StorageUnavailable, match="disk is full") as info:
+                    client.save("full-db", step, {f"t{i}": w + i for i in range(200)})
+                assert info.value.status == 503
+                assert "INSERT" not in str(info.value) and "SELECT" not in str(info.value)
+            assert_same_state({"w": w}, client.load("full-db"))
+        finally:
+            (disk / "filler").unlink()
+        client.save("full-db", 2, {"w": w + 1})  # room again
+        assert_same_state({"w": w + 1}, client.load("full-db"))

@@ -211,3 +211,45 @@ def test_a_base_id_with_no_row_is_corrupt_data(
         db.execute(f"UPDATE chunks SET base_id = 1 << 40 WHERE id = {_chunk(db, 1, DELTA)}")
     svc = make_service(ENV, data_dir)
     assert _get(svc.url, "a", 1) == ("http", (500, "corrupt_data"))
+
+
+def _damage_chunks_table(data_dir: Path) -> None:
+    """Overwrite the chunks table's root page with noise: SQLite then reads "database disk
+    image is malformed" for any query of a checkpoint's chunks, while ``SELECT 1`` and the
+    other tables still answer."""
+    path = data_dir / "catalog.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        (page_size,) = db.execute("PRAGMA page_size").fetchone()
+        (root,) = db.execute(
+            "SELECT rootpage FROM sqlite_master WHERE type = 'table' AND name = 'chunks'"
+        ).fetchone()
+    with open(path, "r+b") as f:
+        f.seek((root - 1) * page_size)
+        f.write(bytes(range(256)) * (page_size // 256))
+
+
+def test_a_damaged_catalog_file_fails_readiness_with_a_typed_error(
+    make_service: Callable[..., Service],
+    saved: tuple[Path, dict[tuple[str, int], bytes]],
+    tmp_path: Path,
+) -> None:
+    # a damaged SQLite file was a 500 internal_error whose message held the SQL statement,
+    # and /readyz went on saying ready
+    source, _ = saved
+    data_dir = tmp_path / "data"
+    shutil.copytree(source, data_dir)
+    _damage_chunks_table(data_dir)
+    svc = make_service(ENV, data_dir)
+    with httpx.Client(base_url=svc.url, timeout=30) as http:
+        answer = http.get("/v1/runs/a/checkpoints/1")
+        assert answer.status_code == 500, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "corrupt_data", error
+        assert "catalog" in error["message"] and "malformed" in error["message"]
+        for sql in ("SELECT", "FROM", "chunks", "[SQL"):
+            assert sql not in error["message"], error["message"]
+        ready = http.get("/readyz")
+        assert ready.status_code == 503, ready.text
+        assert ready.json()["database"] != "ok"
+        assert http.get("/healthz").status_code in (200, 503)  # alive, whatever it says

@@ -298,3 +298,33 @@ def test_two_replicas_apply_the_same_policy_at_once(
         wait_until(collected, 30, "the blob folder holds what the catalog names")
     finally:
         engine.dispose()
+
+
+def test_retention_held_back_by_uncommitted_parts_says_why(
+    make_service: Callable[..., Service], states: list[dict[str, Any]]
+) -> None:
+    # a checkpoint being written in parts holds retention back (its parts may rest on the
+    # chunks it would delete): it did nothing, and said so nowhere but an info line
+    from support.bodies import valid_body
+
+    svc = make_service(env=ENV)
+    client = CheckpointClient(svc.url)
+    for step in range(3):
+        client.save("busy", step, states[step])
+    prefix, data = valid_body(seed=1)
+    part = httpx.put(
+        f"{svc.url}/v1/runs/busy/checkpoints/3/parts/rank-0", content=prefix + data, timeout=30
+    )
+    assert part.status_code == 201, part.text
+    client.set_retention("busy", keep_last=1)
+    wait_idle(svc.url)
+    assert steps_of(client, "busy") == [0, 1, 2]
+    listing = httpx.get(f"{svc.url}/v1/runs/busy", timeout=30).json()
+    why = listing["retention_waiting"]
+    assert why is not None and "step 3" in why and "parts" in why, why
+    assert "2 checkpoints" in why and "CKPTSTORE_PARTS_TTL_S" in why, why
+    assert "retention of 'busy' waits" in svc.log.read_text()
+    quiet = httpx.get(f"{svc.url}/v1/runs/busy", timeout=30).json()
+    assert quiet["retention_waiting"] == why
+    client.save("free", 0, states[0])
+    assert httpx.get(f"{svc.url}/v1/runs/free", timeout=30).json()["retention_waiting"] is None

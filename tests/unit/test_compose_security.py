@@ -33,3 +33,12 @@ def test_every_secret_must_be_set() -> None:
     assert {name for name, _, _ in uses} == set(SECRETS)
     for name, operator, _ in uses:
         assert operator == ":?", f"${{{name}}} must have no default (use ${{{name}:?...}})"
+
+
+def test_the_deployment_guide_tells_the_security_story() -> None:
+    """docs/deployment.md points to docs/security.md and never says the service is open:
+    tokens exist, and the guide that operators read first must not deny them."""
+    guide = (COMPOSE.parent / "docs" / "deployment.md").read_text()
+    section = guide.split("## Security", 1)[1].split("\n## ", 1)[0]
+    assert "no authentication" not in guide.lower()
+    assert "security.md" in section and "CKPTSTORE_AUTH" in section

@@ -17,7 +17,7 @@ from ckptstore_core.encoded import (
     frame,
 )
 from ckptstore_core.errors import InvalidStream, PayloadTooLarge
-from ckptstore_core.wire import FORMAT, Header, encode_header
+from ckptstore_core.wire import FORMAT, Header, StreamParser, encode_header
 
 CK = bytes(range(16))
 
@@ -32,7 +32,9 @@ def body(frames: list[bytes], parent: int | None = 7) -> tuple[bytes, Tail]:
 
 
 def parse(data: bytes, cut: list[int], **limits: int) -> tuple[Header, dict[int, bytes], Tail]:
-    p = EncodedParser(limits.get("header", 1 << 20), 64 << 10, limits.get("tail", 1 << 20))
+    p = EncodedParser(
+        StreamParser(limits.get("header", 1 << 20)), 64 << 10, limits.get("tail", 1 << 20)
+    )
     frames: dict[int, bytes] = {}
     ended: list[int] = []
     header = None

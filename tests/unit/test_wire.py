@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import struct
+import tracemalloc
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -188,3 +190,42 @@ def test_total_size_limit() -> None:
     prefix, _ = encode_header([("x", "F32", (1 << 20,))], {})
     with pytest.raises(PayloadTooLarge):
         list(StreamParser(max_total_bytes=1 << 20).feed(prefix))
+
+
+def _many_tensors(n: int) -> bytes:
+    empty = {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+    text = json.dumps({f"model.layers.{i}.mlp.weight": empty for i in range(n)}).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _peak_of(parse: Callable[[], object]) -> int:
+    """The most memory ``parse`` held at once (tracemalloc: Python's allocations)."""
+    tracemalloc.start()
+    try:
+        parse()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_header_costs_a_small_multiple_of_its_size() -> None:
+    # a header's JSON became ~900 bytes of Python objects per tensor (9-10x the header):
+    # 78 MB announcing 10^6 tensors took 0.9 GB before its 413
+    body = _many_tensors(50_000)
+
+    def parse() -> None:
+        (header,) = StreamParser(max_header_bytes=1 << 30).feed(body)
+        assert isinstance(header, Header) and len(header.tensors) == 50_000
+
+    assert _peak_of(parse) < 6 * len(body)  # 4.9x: bytes + text at once, then objects
+
+
+def test_too_many_tensors_are_refused_before_they_cost_memory() -> None:
+    body = _many_tensors(100_000)
+
+    def parse() -> None:
+        with pytest.raises(PayloadTooLarge, match="more than 1000 tensors"):
+            list(StreamParser(max_header_bytes=1 << 30, max_tensors=1000).feed(body))
+
+    assert _peak_of(parse) < 2.5 * len(body)  # the bytes and their text

@@ -407,7 +407,9 @@ async def logout(request: Request) -> Response:
 class TokenIn(BaseModel):
     name: str = Field(description="A label, unique among tokens in use: `ci-team-a`")
     scope: TokenScope = Field(description=f"One of {', '.join(SCOPES)}")
-    runs: str | None = Field(default=None, description=f"Run pattern: {PATTERN_RULE}")
+    runs: str | None = Field(
+        default=None, description=f"Run pattern, required (`*` for every run): {PATTERN_RULE}"
+    )
 
 
 tokens_router = APIRouter(tags=["tokens"])

@@ -56,12 +56,17 @@ class Uploads:
     """The uploads' worker slots (apart from the pool other routes share) and limits: at
     most ``per_client`` of them (0: no cap) taken or waited for by one client (its token's
     name, or its address when it sends none), so one client cannot hold them all. Used on
-    the event loop only."""
+    the event loop only. Likewise the header bytes a client's uploads in flight announce
+    together (``header_bytes_per_client``)."""
 
     limiter: anyio.CapacityLimiter
     limits: BodyLimits
     per_client: int = 0
+    #: the most header bytes one client's uploads in flight may announce together (0: no
+    #: cap): a header costs a multiple of its size from its parse to its upload's end
+    header_bytes_per_client: int = 0
     _by_client: dict[str, int] = field(default_factory=dict)
+    _headers: dict[str, int] = field(default_factory=dict)
 
     def take(self, client: str) -> None:
         """Count one more upload of ``client`` (give it back with :meth:`give_back`);
@@ -76,15 +81,38 @@ class Uploads:
         self._by_client[client] = n + 1
 
     def give_back(self, client: str) -> None:
-        left = self._by_client[client] - 1
-        if left:
-            self._by_client[client] = left
-        else:
-            del self._by_client[client]
+        _count_down(self._by_client, client, 1)
+
+    def take_header(self, client: str, header_bytes: int) -> None:
+        """Count ``header_bytes`` more of ``client``'s headers in flight (give them back with
+        :meth:`give_back_header`); TooManyUploads if they would pass its share. A client
+        with none in flight may always send one: the parser refuses one over the limit."""
+        held = self._headers.get(client, 0)
+        cap = self.header_bytes_per_client
+        if cap and held and held + header_bytes > cap:
+            raise TooManyUploads(
+                f"{client} has uploads in progress whose headers announce {held} bytes; one "
+                f"more of {header_bytes} would pass its share of {cap} "
+                "(CKPTSTORE_MAX_HEADER_BYTES): retry once one is done"
+            )
+        if header_bytes:
+            self._headers[client] = held + header_bytes
+
+    def give_back_header(self, client: str, header_bytes: int) -> None:
+        if header_bytes:
+            _count_down(self._headers, client, header_bytes)
 
     def in_use(self, client: str) -> int:
         """The slots ``client`` holds or waits for now."""
         return self._by_client.get(client, 0)
+
+
+def _count_down(counts: dict[str, int], client: str, n: int) -> None:
+    left = counts[client] - n
+    if left:
+        counts[client] = left
+    else:
+        del counts[client]
 
 
 def client_of(request: Request) -> str:
@@ -226,16 +254,49 @@ async def consume_body(
     ended: list[bool] = []
     body = receive_body(request, ended, uploads.limits)
     first = await _first_piece(body, content_length)
+    first = await _with_length_prefix(first, body)
     client = client_of(request)
+    header_bytes = _announced_header(first, uploads.header_bytes_per_client)
     try:
         uploads.take(client)
     except TooManyUploads:
         await drain(request)
         raise
     try:
-        return await _consume(request, uploads, consume, content_length, ended, body, first)
+        try:
+            uploads.take_header(client, header_bytes)
+        except TooManyUploads:
+            await drain(request)
+            raise
+        try:
+            return await _consume(request, uploads, consume, content_length, ended, body, first)
+        finally:
+            uploads.give_back_header(client, header_bytes)
     finally:
         uploads.give_back(client)
+
+
+async def _with_length_prefix(first: bytes | None, body: AsyncIterator[bytes]) -> bytes | None:
+    """``first`` and as many pieces after it as make the body's 8-byte header length (all
+    of a shorter body)."""
+    if first is None or len(first) >= 8:
+        return first
+    pieces = [first]
+    async for piece in body:
+        pieces.append(piece)
+        if sum(map(len, pieces)) >= 8:
+            break
+    return b"".join(pieces)
+
+
+def _announced_header(first: bytes | None, cap: int) -> int:
+    """The header length a safetensors body announces in its first 8 bytes; 0 for a body
+    too short to say, or for one over ``cap`` (0: no cap): the parser refuses that one on
+    its first 8 bytes (413), before buffering any of it."""
+    if first is None or len(first) < 8:
+        return 0
+    n = int.from_bytes(first[:8], "little")
+    return 0 if cap and n > cap else n  # over the cap: the parser's 413, never buffered
 
 
 async def _consume(

@@ -33,9 +33,14 @@ from ckptstore_service.api.auth import PrincipalDep
 from ckptstore_service.api.deps import MaintenanceDep, RuntimeDep
 from ckptstore_service.api.openapi import error_responses
 from ckptstore_service.maintenance import RerootPolicy
-from ckptstore_service.maintenance.delete import delete_checkpoint, delete_run
+from ckptstore_service.maintenance.delete import (
+    delete_checkpoint,
+    delete_run,
+    make_way_for_admin_delete,
+)
 from ckptstore_service.maintenance.fork import fork_checkpoint
 from ckptstore_service.names import MAX_STEP, RUN_NAME_RULE, check_run_name, parse_step
+from ckptstore_service.runtime import Runtime
 
 __all__ = ["router"]
 
@@ -71,6 +76,7 @@ async def delete_one(
     check_run_name(run)
     step_n = parse_step(step)
     assert step_n is not None
+    await _make_way(rt, run)
     done = await run_in_threadpool(
         delete_checkpoint,
         rt.catalog,
@@ -99,6 +105,7 @@ async def delete_whole_run(run: Run, rt: RuntimeDep, maintenance: MaintenanceDep
     `checkpoint_pinned`). A later save under the same name starts a fresh
     chain. The blobs are collected once the grace time for loads in progress has passed."""
     check_run_name(run)
+    await _make_way(rt, run)
     await run_in_threadpool(
         delete_run,
         rt.catalog,
@@ -111,6 +118,14 @@ async def delete_whole_run(run: Run, rt: RuntimeDep, maintenance: MaintenanceDep
     rt.cache.forget(run, None)
     maintenance.after_save(run)
     return Response(status_code=204)
+
+
+async def _make_way(rt: Runtime, run: str) -> None:
+    """An admin delete's bounded wait for the run's uncommitted parts, then their end
+    (:func:`make_way_for_admin_delete`; CKPTSTORE_DELETE_PARTS_WAIT_S)."""
+    await run_in_threadpool(
+        make_way_for_admin_delete, rt.catalog, rt.store, run, rt.settings.delete_parts_wait_s
+    )
 
 
 class ForkIn(BaseModel):

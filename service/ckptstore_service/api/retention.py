@@ -29,6 +29,7 @@ from ckptstore_core.records import CheckpointInfo, RunInfo
 from ckptstore_core.retention import MAX_METRIC_CHARS, RetentionPolicy
 from ckptstore_service.api.deps import MaintenanceDep, RuntimeDep
 from ckptstore_service.api.openapi import error_responses
+from ckptstore_service.maintenance.retention import retention_waiting
 from ckptstore_service.names import RUN_NAME_RULE, check_run_name, parse_step
 from ckptstore_service.runtime import Runtime
 
@@ -105,6 +106,11 @@ class RunOut(RetentionOut):
     shared_bytes: int = Field(
         description="The stored bytes of other runs' chunks this run's checkpoints rest on "
         "(a fork's source), each counted once; not in stored_bytes"
+    )
+    retention_waiting: str | None = Field(
+        default=None,
+        description="Why retention deletes nothing now although the effective policy would "
+        "delete some checkpoints (a checkpoint being written in parts); null: not held back",
     )
 
 
@@ -186,6 +192,7 @@ def _run_out(rt: Runtime, run: str) -> RunOut:
         pinned=pinned,
         stored_bytes=found[0].stored_bytes,
         shared_bytes=rt.catalog.shared_bytes(run),
+        retention_waiting=retention_waiting(rt.catalog, run, rt.settings.default_retention()),
         **dict(policies),
     )
 

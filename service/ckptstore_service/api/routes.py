@@ -95,11 +95,11 @@ async def healthz(rt: RuntimeDep, maintenance: MaintenanceDep) -> dict[str, str 
 async def readyz(rt: RuntimeDep) -> JSONResponse:
     """Ready to serve: the database and the blob store each answer a cheap call (a
     ``SELECT 1``; a one-key listing or a probe file) within CKPTSTORE_READINESS_TIMEOUT_S,
-    checked at once. For readiness probes and the compose healthcheck; ``/healthz`` is the
-    cheap liveness check."""
+    checked at once; the database is not ready either once a call found it damaged. For
+    readiness probes and the compose healthcheck; ``/healthz`` is the cheap liveness check."""
     timeout = rt.settings.readiness_timeout_s
     database, blob_store = await asyncio.gather(
-        _probe("database", rt.catalog.ping, timeout),
+        _probe("database", rt.catalog.check_ready, timeout),
         _probe("blob store", rt.store.check_ready, timeout),
     )
     body: dict[str, object] = {"status": "ready", "database": database, "blob_store": blob_store}

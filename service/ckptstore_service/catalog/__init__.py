@@ -117,6 +117,10 @@ class Catalog:
     def ping(self) -> None:
         self._db.ping()
 
+    def check_ready(self) -> None:
+        """:meth:`ping`, and CorruptData once any call found the database damaged."""
+        self._db.check_ready()
+
     def upgrade(self) -> None:
         """Bring the schema to the newest revision (idempotent; see :meth:`Database.upgrade`)."""
         self._db.upgrade()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,10 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptstore_core.errors import StorageUnavailable
+from ckptstore_core.errors import CorruptData, StorageUnavailable
 from ckptstore_service.catalog.deadline import NO_DEADLINE, bound_calls
+
+log = logging.getLogger("ckptstore.catalog")
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Database", "shown_url", "translate_errors", "utc"]
 
@@ -50,13 +52,19 @@ def utc(value: datetime) -> datetime:
 
 
 @contextlib.contextmanager
-def translate_errors() -> Iterator[None]:
+def translate_errors(on_damage: Callable[[str], None] | None = None) -> Iterator[None]:
     """Turn every database failure that a retry can fix into StorageUnavailable (a 503,
     which clients retry): a lost or refused connection, a server out of connection slots
     ("too many clients already"), starting up or shutting down, a pool with no connection
     to lend in time, a serialization failure or deadlock, a SQLite database locked past its
-    busy timeout. Any other database error (constraint violations included) passes
-    unchanged: a retry would fail the same way."""
+    busy timeout. A full disk is StorageUnavailable too, on every backend (PostgreSQL's
+    SQLSTATE 53100, SQLite's ``SQLITE_FULL``): freeing space fixes it.
+
+    A damaged database (SQLite's ``SQLITE_CORRUPT``/``SQLITE_NOTADB``, PostgreSQL's
+    ``data_corrupted``/``index_corrupted``) is CorruptData, whose message names the damage but
+    never the statement (that goes to the log); ``on_damage`` is told, so that readiness
+    fails. Any other database error (constraint violations included) passes unchanged: a
+    retry would fail the same way."""
     try:
         yield
     except IntegrityError:
@@ -66,9 +74,44 @@ def translate_errors() -> Iterator[None]:
             f"database unavailable: no connection free in the pool in time ({exc})"
         ) from exc
     except DBAPIError as exc:
+        if _is_disk_full(exc):
+            raise StorageUnavailable(
+                f"database unavailable: its disk is full ({_first_line(exc)})"
+            ) from exc
+        if _is_damaged(exc):
+            why = f"the catalog database is damaged: {_first_line(exc)}"
+            log.error("%s; the failed statement: %s", why, exc)
+            if on_damage is not None:
+                on_damage(why)
+            raise CorruptData(f"{why} (the service's log has the details)") from exc
         if exc.connection_invalidated or _is_transient(exc):
             raise StorageUnavailable(f"database unavailable: {exc.orig}") from exc
         raise
+
+
+def _first_line(exc: DBAPIError) -> str:
+    """The driver's own message, without the statement SQLAlchemy appends."""
+    return str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else type(exc).__name__
+
+
+def _sqlite_code(exc: DBAPIError) -> int | None:
+    """The primary SQLite result code of ``exc`` (None for other drivers)."""
+    code = getattr(exc.orig, "sqlite_errorcode", None)
+    return code & 0xFF if isinstance(code, int) else None
+
+
+_SQLITE_CORRUPT, _SQLITE_FULL, _SQLITE_NOTADB = 11, 13, 26
+_DAMAGED_SQLSTATES = ("XX001", "XX002")  # data_corrupted, index_corrupted
+
+
+def _is_disk_full(exc: DBAPIError) -> bool:
+    return _sqlite_code(exc) == _SQLITE_FULL or getattr(exc.orig, "sqlstate", None) == "53100"
+
+
+def _is_damaged(exc: DBAPIError) -> bool:
+    if _sqlite_code(exc) in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
+        return True
+    return getattr(exc.orig, "sqlstate", None) in _DAMAGED_SQLSTATES
 
 
 class Database:
@@ -109,12 +152,18 @@ class Database:
         database = make_url(url).database if is_sqlite else None
         #: the SQLite file, None for PostgreSQL or an in-memory database
         self.sqlite_file = Path(database) if database and database != ":memory:" else None
+        #: why the database was found damaged (None: never was): until a restart, readiness
+        #: fails, so that a probe takes this process out of rotation
+        self.damaged: str | None = None
 
     @contextlib.contextmanager
     def session(self) -> Iterator[Session]:
         """One transaction: committed when the block ends, rolled back if it raises."""
-        with translate_errors(), self._sessions.begin() as session:
+        with translate_errors(self._found_damaged), self._sessions.begin() as session:
             yield session
+
+    def _found_damaged(self, why: str) -> None:
+        self.damaged = why
 
     def close(self) -> None:
         self.engine.dispose()
@@ -122,6 +171,13 @@ class Database:
     def ping(self) -> None:
         with self.session() as s:
             s.execute(text("SELECT 1"))
+
+    def check_ready(self) -> None:
+        """Ready: the database answers and no call has found it damaged (CorruptData if one
+        has: a damaged catalog stays damaged until an operator repairs or restores it)."""
+        if self.damaged is not None:
+            raise CorruptData(self.damaged)
+        self.ping()
 
     def upgrade(self) -> None:
         """Bring the schema to the newest Alembic revision (idempotent).
@@ -146,7 +202,7 @@ class Database:
 
         config = Config()
         config.set_main_option("script_location", str(Path(__file__).with_name("migrations")))
-        with translate_errors(), self.engine.begin() as conn:
+        with translate_errors(self._found_damaged), self.engine.begin() as conn:
             # no deadline: an index built on a large table, or another replica's migration
             # waited for (the lock below), may rightly take minutes
             conn.execution_options(**{NO_DEADLINE: True})
@@ -162,7 +218,7 @@ class Database:
         """The schema's current Alembic revision (None before the first upgrade)."""
         from alembic.runtime.migration import MigrationContext
 
-        with translate_errors(), self.engine.connect() as conn:
+        with translate_errors(self._found_damaged), self.engine.connect() as conn:
             return MigrationContext.configure(conn).get_current_revision()
 
 

@@ -68,6 +68,7 @@ from ckptstore_service.catalog import (
 from ckptstore_service.catalog.garbage import RerootChanges
 from ckptstore_service.catalog.retention import pinned_refusal
 from ckptstore_service.chains import ChainDecoder
+from ckptstore_service.maintenance.garbage import abandon_parts
 from ckptstore_service.maintenance.reroot import RerootPolicy
 from ckptstore_service.maintenance.rewrite import (
     NewBlobs,
@@ -82,7 +83,7 @@ from ckptstore_service.maintenance.rewrite import (
 from ckptstore_service.names import blob_key
 from ckptstore_service.storage import BlobStore
 
-__all__ = ["Deleted", "delete_checkpoint", "delete_run"]
+__all__ = ["Deleted", "delete_checkpoint", "delete_run", "make_way_for_admin_delete"]
 
 log = logging.getLogger("ckptstore")
 
@@ -101,12 +102,28 @@ class Deleted:
     seconds: float
 
 
+def make_way_for_admin_delete(
+    catalog: Catalog, store: BlobStore, run: str, wait_s: float, *, poll_s: float = 0.2
+) -> None:
+    """Before an admin delete of ``run`` (a checkpoint, or the run): wait up to ``wait_s``
+    seconds for its checkpoint being written in parts, if any, to be committed; past that,
+    abandon it (:func:`~.garbage.abandon_parts`): its parts are collected, and its writers'
+    commit later fails. A part being uploaded at that moment stays, and the delete is then
+    ``run_busy`` as before. Retention never calls this: it waits for the commit."""
+    deadline = time.monotonic() + wait_s
+    while catalog.open_parts_step(run) is not None:
+        if time.monotonic() >= deadline:
+            abandon_parts(catalog, store, run, datetime.now(UTC))
+            return
+        time.sleep(poll_s)
+
+
 def _check_not_busy(catalog: Catalog, run: str) -> None:
     step = catalog.open_parts_step(run)
     if step is not None:
         raise RunBusy(
-            f"run {run!r} has a checkpoint being written in parts (step {step}): delete "
-            "once it is committed (or abandoned: CKPTSTORE_PARTS_TTL_S)"
+            f"run {run!r} has a checkpoint being written in parts (step {step}), a part of "
+            "which is being uploaded: delete once it is committed (or abandoned)"
         )
 
 

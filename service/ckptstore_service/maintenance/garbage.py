@@ -17,6 +17,7 @@ from ckptstore_service.catalog import Catalog, PartRecord
 from ckptstore_service.storage import BlobStore
 
 __all__ = [
+    "abandon_parts",
     "collect_crashed_uploads",
     "collect_garbage",
     "collect_parts",
@@ -130,7 +131,37 @@ def collect_parts(catalog: Catalog, store: BlobStore, ttl_s: float) -> list[Part
         if _collect_part(catalog, store, part, run, step)
     ]
     older_than = datetime.now(UTC) - timedelta(seconds=ttl_s)
+    gone += _collect_abandoned(catalog, store, older_than)
+    if gone:
+        log.info("collected %d part(s) of checkpoints never committed", len(gone))
+    return gone
+
+
+def abandon_parts(
+    catalog: Catalog, store: BlobStore, run: str, begun_before: datetime
+) -> list[PartRecord]:
+    """Treat ``run``'s checkpoints written in parts that began before ``begun_before`` and
+    are not committed as abandoned now, as the sweep does ``CKPTSTORE_PARTS_TTL_S`` after
+    they began (an admin delete's doing): the same collection, under the same locks. A part
+    being uploaded right now (its lock held) stays; a later commit of such a checkpoint
+    finds its parts gone. Returns the parts that went."""
+    gone = _collect_abandoned(catalog, store, begun_before, run)
+    if gone:
+        log.warning(
+            "abandoned %d uncommitted part(s) of run %r for an admin delete", len(gone), run
+        )
+    return gone
+
+
+def _collect_abandoned(
+    catalog: Catalog, store: BlobStore, older_than: datetime, only_run: str | None = None
+) -> list[PartRecord]:
+    """Collect the parts of the uncommitted checkpoints begun before ``older_than`` (of
+    ``only_run``, or of every run), and each checkpoint's row once it has no part left."""
+    gone: list[PartRecord] = []
     for checkpoint_id, run, step, parts in catalog.abandoned_parts(older_than):
+        if only_run is not None and run != only_run:
+            continue
         with catalog.run_lock(run, blocking=False) as held:
             if not held:  # a commit or a save of the run: the next sweep looks again
                 continue
@@ -138,8 +169,6 @@ def collect_parts(catalog: Catalog, store: BlobStore, ttl_s: float) -> list[Part
             gone += went
             if len(went) == len(parts):
                 catalog.drop_checkpoint(checkpoint_id)
-    if gone:
-        log.info("collected %d part(s) of checkpoints never committed", len(gone))
     return gone
 
 

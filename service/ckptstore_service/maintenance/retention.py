@@ -32,7 +32,7 @@ from ckptstore_service.maintenance.delete import delete_checkpoint
 from ckptstore_service.maintenance.reroot import RerootPolicy
 from ckptstore_service.storage import BlobStore
 
-__all__ = ["apply_retention", "effective_policy", "steps_to_delete"]
+__all__ = ["apply_retention", "effective_policy", "retention_waiting", "steps_to_delete"]
 
 log = logging.getLogger("ckptstore")
 
@@ -58,6 +58,36 @@ def steps_to_delete(policy: RetentionPolicy | None, infos: list[CheckpointRecord
     return sorted(c.step for c in candidates if c.step not in kept)
 
 
+def retention_waiting(catalog: Catalog, run: str, default: RetentionPolicy | None) -> str | None:
+    """Why retention deletes none of ``run``'s checkpoints now although its policy (its own,
+    else ``default``) would delete some: a checkpoint of the run being written in parts,
+    whose parts may rest on their chunks. None when it is not held back."""
+    retention = effective_policy(catalog, run, default)
+    if retention is None or not retention.has_rules:
+        return None
+    try:
+        doomed = steps_to_delete(retention, catalog.list_checkpoints(run))
+    except RunNotFound:
+        return None
+    return _held_back(catalog, run, doomed)
+
+
+def _held_back(catalog: Catalog, run: str, doomed: list[int]) -> str | None:
+    """The reason of :func:`retention_waiting` for ``doomed`` steps, or None."""
+    if not doomed:
+        return None
+    step = catalog.open_parts_step(run)
+    if step is None:
+        return None
+    return (
+        f"retention of {run!r} waits: it would delete {len(doomed)} checkpoint"
+        f"{'s' if len(doomed) != 1 else ''}, but step {step} is being written in parts "
+        "(uploaded, not committed), whose parts may rest on them; it deletes them once "
+        "that checkpoint is committed, or abandoned (CKPTSTORE_PARTS_TTL_S after its first "
+        "part) and collected"
+    )
+
+
 def apply_retention(
     catalog: Catalog,
     store: BlobStore,
@@ -72,7 +102,8 @@ def apply_retention(
     """Delete the checkpoints of ``run`` that its retention policy (its own, else
     ``default``) does not keep; returns the steps this call deleted. A checkpoint gone
     meanwhile, pinned meanwhile or kept after all is skipped; a run with a checkpoint being
-    written in parts is left for the pass after that commit. Stops between deletes once
+    written in parts is left for the pass after that commit, and the log says so
+    (:func:`retention_waiting`, which the run's listing shows too). Stops between deletes once
     ``stop`` is set."""
     retention = effective_policy(catalog, run, default)
     if retention is None or not retention.has_rules:
@@ -80,6 +111,10 @@ def apply_retention(
     try:
         doomed = steps_to_delete(retention, catalog.list_checkpoints(run))
     except RunNotFound:
+        return []
+    held = _held_back(catalog, run, doomed)
+    if held is not None:
+        log.warning("%s", held)
         return []
 
     def still_doomed(x: CheckpointRecord) -> None:
@@ -104,8 +139,11 @@ def apply_retention(
             )
         except (_Kept, CheckpointNotFound, CheckpointPinned):
             continue  # kept after all, deleted by another replica, or pinned meanwhile
-        except (RunBusy, RunNotFound) as exc:
-            log.info("retention of %s stopped: %s", run, exc)
+        except RunBusy as exc:  # parts began meanwhile
+            log.warning("retention of %r stopped: %s", run, exc)
+            break
+        except RunNotFound as exc:
+            log.info("retention of %r stopped: %s", run, exc)
             break
         deleted.append(step)
     if deleted:

@@ -31,7 +31,7 @@ import numpy as np
 
 from ckptstore_core import codec
 from ckptstore_core.encoded import EncodedParser, FramePiece, Plan, Tail, chunk_cut
-from ckptstore_core.errors import CheckpointExists, InvalidRequest, InvalidStream, PayloadTooLarge
+from ckptstore_core.errors import CheckpointExists, InvalidRequest, InvalidStream
 from ckptstore_core.lossy import LOSSY
 from ckptstore_core.pipeline import ChunkInfo, DeltaPlanner, NewChunk, RawChunk, TensorInfo
 from ckptstore_core.pipeline.plan import rests_on_base
@@ -41,7 +41,7 @@ from ckptstore_service.catalog import Catalog, Lease, PartRecord
 from ckptstore_service.catalog.models import CLIENT
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.names import check_part_name
-from ckptstore_service.save.header import check_metadata
+from ckptstore_service.save.header import body_parser, check_metadata
 from ckptstore_service.save.parts import PartSaver
 from ckptstore_service.save.plan import planner_for
 from ckptstore_service.save.upload import PartTransaction
@@ -130,22 +130,12 @@ class DirectSaver:
     def _open(self, it: Iterator[bytes]) -> tuple[EncodedParser, Header, list[FramePiece]]:
         """The body's header, checked as a raw upload's is, and the frame pieces after it."""
         s = self._settings
-        parser = EncodedParser(s.max_header_bytes, s.chunk_bytes, s.max_header_bytes)
+        parser = EncodedParser(body_parser(s), s.chunk_bytes, s.max_header_bytes)
         for data in it:
             events = list(parser.feed(data))
             if parser.header is None:
                 continue
             header = parser.header
-            if len(header.tensors) > s.max_tensors:
-                raise PayloadTooLarge(
-                    f"the header declares {len(header.tensors)} tensors, more than the "
-                    f"{s.max_tensors} one part may hold (CKPTSTORE_MAX_TENSORS)"
-                )
-            if header.data_len > s.max_upload_bytes:
-                raise PayloadTooLarge(
-                    f"a part of {header.data_len} bytes exceeds the limit of "
-                    f"{s.max_upload_bytes} bytes"
-                )
             check_metadata(header)
             if LOSSY_KEY in header.metadata:
                 raise InvalidRequest("a part encoded by its writer cannot be lossy")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ckptstore_core.errors import CheckpointExists, InvalidStream, PayloadTooLarge
+from ckptstore_core.errors import CheckpointExists, InvalidStream
 from ckptstore_core.lossy import ParamNames
 from ckptstore_core.pipeline import TensorInfo, lossy_params
 from ckptstore_core.records import (
@@ -49,18 +49,24 @@ class Incoming:
     pieces: Iterator[TensorPiece]
 
 
+def body_parser(settings: Settings) -> StreamParser:
+    """The parser of an upload's header (and a plain upload's tensors), within the limits:
+    each tensor costs catalog rows and bookkeeping whether or not it has bytes, and the
+    parser refuses too many as it counts them, before they cost memory."""
+    return StreamParser(
+        settings.max_header_bytes,
+        settings.max_upload_bytes,
+        max_tensors=settings.max_tensors,
+        limit_name="CKPTSTORE_MAX_TENSORS",
+    )
+
+
 def open_body(body: Iterable[bytes], content_length: int | None, settings: Settings) -> Incoming:
     """Parse ``body`` up to the end of its header and check it against ``settings``' limits
     (InvalidStream, PayloadTooLarge); the tensor pieces follow lazily."""
-    parser = StreamParser(settings.max_header_bytes, settings.max_upload_bytes)
+    parser = body_parser(settings)
     it = iter(body)
     header, first = read_header(parser, it)
-    if len(header.tensors) > settings.max_tensors:
-        # each costs catalog rows and bookkeeping whether or not it has bytes
-        raise PayloadTooLarge(
-            f"the header declares {len(header.tensors)} tensors, more than the "
-            f"{settings.max_tensors} one checkpoint (or part) may hold (CKPTSTORE_MAX_TENSORS)"
-        )
     check_metadata(header)
     if content_length is not None and content_length != header.total_len:
         raise InvalidStream(
