@@ -164,10 +164,12 @@ def _ls(args: argparse.Namespace) -> int:
         _print_json({"run": args.run, "checkpoints": [c.to_json() for c in checkpoints]})
         return 0
     steps = max(10, _width("step", [c.step for c in checkpoints]))
+    # what lossy saves paired: a column only where one of them is listed
+    paired = any(c.pairing is not None for c in checkpoints)
     print(
         f"{'step':>{steps}} {'parent':>{steps}} {'key':>4} {'depth':>5} {'raw':>12} "
         f"{'stored':>12} {'ratio':>9} {'pin':>4}  lossy"
-        "  [paired: with moments / weights only / exact]"
+        + ("  [paired: with moments / weights only / exact]" if paired else "")
     )
     for c in checkpoints:
         parent = "-" if c.parent_step is None else str(c.parent_step)
