@@ -470,17 +470,14 @@ class CheckpointClient:
         metadata: dict[str, str],
     ) -> CheckpointInfo:
         """A save encoded here (``direct=True``): one part, sent encoded, then committed."""
-        from ckptstore.direct import Sent, shared_writer  # the codec's kernels: only when used
+        from ckptstore.direct import Sent, pieces_of, shared_writer  # the codec: only when used
         from ckptstore.state import tensor_bytes
 
         writer = shared_writer()
         path = checkpoint_path(run, step)
 
         def data() -> Iterator[TensorPiece]:
-            for i, t in enumerate(tensors):  # one tensor's host copy at a time
-                raw = tensor_bytes(t)
-                for off in range(0, len(raw), PIECE):
-                    yield TensorPiece(i, off, raw[off : off + PIECE])
+            return pieces_of(tensor_bytes(t) for t in tensors)  # one host copy at a time
 
         def attempt() -> tuple[str, Sent]:
             # a part name of its own per attempt: a replica that died mid-part holds the

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptstore.transport import Transport
+from ckptstore.transport import PIECE, Transport
 from ckptstore_core.encoded import CONTENT_TYPE, Plan, TailChunk, encode_tail, frame
 from ckptstore_core.pipeline import (
     Budget,
@@ -48,7 +48,6 @@ from ckptstore_core.wire import Header, TensorPiece, encode_header
 __all__ = ["BaseFile", "DirectWriter", "Sent", "pieces_of", "shared_writer", "tensor_pieces"]
 
 Spec = tuple[str, str, Sequence[int]]  # a tensor's name, dtype and shape
-_PIECE = 8 << 20
 _BATCH = 1 << 20  # bytes of frames joined into one piece of the request body
 _DONE = object()
 
@@ -284,17 +283,18 @@ def _framed(run: Callable[[_QueueSink], Stored]) -> Generator[Any, None, Stored]
     return out[0]
 
 
-def pieces_of(tensors: Sequence[memoryview]) -> Iterator[TensorPiece]:
-    """The tensors' bytes as pipeline pieces, in order, 8 MiB at most each."""
+def pieces_of(tensors: Iterable[memoryview]) -> Iterator[TensorPiece]:
+    """The tensors' bytes as pipeline pieces, in order, :data:`PIECE` bytes at most each
+    (``tensors`` may be a generator: one tensor's bytes made at a time)."""
     for i, data in enumerate(tensors):
-        for off in range(0, len(data), _PIECE):
-            yield TensorPiece(i, off, data[off : off + _PIECE])
+        for off in range(0, len(data), PIECE):
+            yield TensorPiece(i, off, data[off : off + PIECE])
 
 
 def tensor_pieces(specs: Sequence[Spec], data: Iterable[Buffer]) -> Iterator[TensorPiece]:
     """The tensors' bytes as pipeline pieces, from ``data``: their bytes back to back in
     ``specs``' order, in pieces of any size (a DCP rank's)."""
-    sizes = [n for _, n in _sizes(specs)]
+    sizes = [t.nbytes for t in encode_header(list(specs), {})[1].tensors]
     i = pos = 0
     for piece in data:
         view = memoryview(piece).cast("B")
@@ -306,7 +306,3 @@ def tensor_pieces(specs: Sequence[Spec], data: Iterable[Buffer]) -> Iterator[Ten
             take = min(len(view), sizes[i] - pos)
             yield TensorPiece(i, pos, view[:take])
             view, pos = view[take:], pos + take
-
-
-def _sizes(specs: Sequence[Spec]) -> list[tuple[str, int]]:
-    return [(t.name, t.nbytes) for t in encode_header(list(specs), {})[1].tensors]

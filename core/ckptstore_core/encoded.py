@@ -152,17 +152,21 @@ class Plan:
             _opt_int(doc["parent_id"]),
             _opt_int(doc["parent_step"]),
             bool(doc["keyframe"]),
-            _opt_int(doc["since_keyframe"]) or 0,
-            _opt_int(doc["max_chain_depth"]) or 0,
-            _opt_int(doc["chunk_bytes"]) or 0,
-            _opt_int(doc["zstd_level"]) or 0,
+            _known_int(doc["since_keyframe"]),
+            _known_int(doc["max_chain_depth"]),
+            _known_int(doc["chunk_bytes"]),
+            _known_int(doc["zstd_level"]),
             tensors,
             chunks,
         )
 
 
 def _opt_int(value: object) -> int | None:
-    assert value is None or type(value) is int
+    return None if value is None else _known_int(value)
+
+
+def _known_int(value: object) -> int:
+    assert type(value) is int  # the plan comes from the writer's own service
     return value
 
 

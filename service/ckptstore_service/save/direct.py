@@ -33,7 +33,7 @@ from ckptstore_core import codec
 from ckptstore_core.encoded import EncodedParser, FramePiece, Plan, Tail, chunk_cut
 from ckptstore_core.errors import CheckpointExists, InvalidRequest, InvalidStream
 from ckptstore_core.lossy import LOSSY
-from ckptstore_core.pipeline import ChunkInfo, DeltaPlanner, NewChunk, RawChunk, TensorInfo
+from ckptstore_core.pipeline import DeltaPlanner, NewChunk, RawChunk, TensorInfo
 from ckptstore_core.pipeline.plan import rests_on_base
 from ckptstore_core.records import LOSSY_KEY
 from ckptstore_core.wire import Header
@@ -42,8 +42,8 @@ from ckptstore_service.catalog.models import CLIENT
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.names import check_part_name
 from ckptstore_service.save.header import body_parser, check_metadata
-from ckptstore_service.save.parts import PartSaver
-from ckptstore_service.save.plan import planner_for
+from ckptstore_service.save.parts import PartSaver, unstored_part
+from ckptstore_service.save.plan import keyframe_after, parent_rows, planner_for
 from ckptstore_service.save.upload import PartTransaction
 from ckptstore_service.settings import Settings
 from ckptstore_service.storage import BlobStore
@@ -76,22 +76,17 @@ class DirectSaver:
         """The plan of a part of ``run/step`` holding the tensors ``names``."""
         s = self._settings
         parent = self._catalog.parent_of(run, step)
-        tensors: list[TensorInfo] = []
-        chunks: list[ChunkInfo] = []
-        since = 0 if parent is None else parent.since_keyframe + 1
-        keyframe = parent is None or since >= s.keyframe_interval
-        if parent is not None:
-            tensors = self._catalog.tensors(parent.id, set(names))
-            chunks = self._catalog.chunks(parent.id, {t.idx for t in tensors})
+        keyframe, since = keyframe_after(parent, s)
+        tensors, chunks = ({}, []) if parent is None else parent_rows(self._catalog, parent, names)
         return Plan(
             None if parent is None else parent.id,
             None if parent is None else parent.step,
             keyframe,
-            0 if keyframe else since,
+            since,
             s.max_chain_depth,
             s.chunk_bytes,
             s.zstd_level,
-            tuple(tensors),
+            tuple(tensors.values()),
             tuple(chunks),
         )
 
@@ -109,7 +104,7 @@ class DirectSaver:
             what = f"part {name!r} of {run}/{step}, which is committed already"
             stored = self._catalog.tensors(committed.id)
             _check_same(header, _drained(frames, parser), stored, what)
-            return _unstored(committed.id, name, header), False
+            return unstored_part(committed.id, name, header), False
         with self._catalog.part_lock(run, step, name, blocking=False) as held:
             if held is None:
                 raise CheckpointExists(f"part {name!r} of {run}/{step} is being uploaded")
@@ -211,20 +206,6 @@ def _check_same(header: Header, tail: Tail, stored: Sequence[TensorInfo], what: 
             )
         if same.sent != checksum:
             raise CheckpointExists(f"{what}: its tensor {spec.name!r} holds other content")
-
-
-def _unstored(checkpoint_id: int, name: str, header: Header) -> PartRecord:
-    """The record of a part that was the same content again: nothing stored."""
-    return PartRecord(
-        id=0,
-        checkpoint_id=checkpoint_id,
-        name=name,
-        blob_key="",
-        status="done",
-        raw_bytes=header.data_len,
-        stored_bytes=0,
-        n_tensors=len(header.tensors),
-    )
 
 
 def _copy(p: FramePiece) -> FramePiece:

@@ -32,6 +32,7 @@ from ckptstore_core.dcp_layout import METADATA_KEY
 from ckptstore_core.errors import CheckpointExists, InvalidRequest
 from ckptstore_core.pipeline import BaseReader, ChunkPipeline, FileBases
 from ckptstore_core.records import LOSSY_KEY, USER_METADATA_KEY, decode_user_metadata
+from ckptstore_core.wire import Header
 from ckptstore_service.assemble import layout_view
 from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog, CheckpointRecord, Lease, PartRecord
@@ -42,12 +43,12 @@ from ckptstore_service.names import check_part_name
 from ckptstore_service.restore import tensors_of
 from ckptstore_service.save.committed import ReadTensors, check_commit, check_part
 from ckptstore_service.save.header import Incoming, open_body, same_content, wait_for_data
-from ckptstore_service.save.plan import planner_for
+from ckptstore_service.save.plan import keyframe_after, planner_for
 from ckptstore_service.save.upload import PartTransaction
 from ckptstore_service.settings import Settings
 from ckptstore_service.storage import BlobStore
 
-__all__ = ["PartSaver"]
+__all__ = ["PartSaver", "unstored_part"]
 
 log = logging.getLogger("ckptstore")
 
@@ -138,16 +139,7 @@ class PartSaver:
         check_part(info, tensors_of(self._catalog, info), incoming, self._read, what)
         header = incoming.header
         log.info("part %s of %s/%d: committed already, the same content", name, info.run, info.step)
-        return PartRecord(
-            id=0,
-            checkpoint_id=info.id,
-            name=name,
-            blob_key="",
-            status="done",
-            raw_bytes=header.data_len,
-            stored_bytes=0,
-            n_tensors=len(header.tensors),
-        )
+        return unstored_part(info.id, name, header)
 
     def _store_part(
         self,
@@ -222,16 +214,14 @@ class PartSaver:
             if METADATA_KEY in metadata:
                 self._check_layout(run, step, names, metadata[METADATA_KEY])
             parent = self._catalog.parent_of(run, step)
-            keyframe = parent is None or (
-                parent.since_keyframe + 1 >= self._settings.keyframe_interval
-            )
+            keyframe, since = keyframe_after(parent, self._settings)
             unnamed = self._catalog.commit_parts(
                 run,
                 step,
                 names,
                 parent_id=None if parent is None else parent.id,
                 keyframe=keyframe,
-                since_keyframe=0 if parent is None else parent.since_keyframe + 1,
+                since_keyframe=since,
                 metadata=dict(metadata),
                 fence=lease,
             )
@@ -277,3 +267,18 @@ class PartSaver:
         self._catalog.drop_part(part.id)
         self._metrics.parts_collected([part])
         return True
+
+
+def unstored_part(checkpoint_id: int, name: str, header: Header) -> PartRecord:
+    """The record of a part that was the same content again as committed checkpoint
+    ``checkpoint_id`` holds: nothing stored, no row (``id`` 0)."""
+    return PartRecord(
+        id=0,
+        checkpoint_id=checkpoint_id,
+        name=name,
+        blob_key="",
+        status="done",
+        raw_bytes=header.data_len,
+        stored_bytes=0,
+        n_tensors=len(header.tensors),
+    )

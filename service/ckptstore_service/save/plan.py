@@ -4,12 +4,34 @@ clients that encode their own chunks, is in the core)."""
 
 from __future__ import annotations
 
-from ckptstore_core.pipeline import DeltaPlanner, LossySave, TensorInfo
+from collections.abc import Collection
+
+from ckptstore_core.pipeline import ChunkInfo, DeltaPlanner, LossySave, TensorInfo
 from ckptstore_core.wire import Header
 from ckptstore_service.catalog import Catalog, CheckpointRecord
 from ckptstore_service.settings import Settings
 
-__all__ = ["planner_for"]
+__all__ = ["keyframe_after", "parent_rows", "planner_for"]
+
+
+def keyframe_after(parent: CheckpointRecord | None, settings: Settings) -> tuple[bool, int]:
+    """Whether the save after ``parent`` (None: the run's first) is a keyframe (one every
+    ``keyframe_interval`` checkpoints), and the ``since_keyframe`` it records."""
+    if parent is None:
+        return True, 0
+    since = parent.since_keyframe + 1
+    keyframe = since >= settings.keyframe_interval
+    return keyframe, 0 if keyframe else since
+
+
+def parent_rows(
+    catalog: Catalog, parent: CheckpointRecord, names: Collection[str] | None = None
+) -> tuple[dict[int, TensorInfo], list[ChunkInfo]]:
+    """The parent's tensors (by index) and their chunks; with ``names``, only those of the
+    tensors of these names (a part of many: the rest of the parent is other writers')."""
+    tensors = {t.idx: t for t in catalog.tensors(parent.id, names)}
+    chunks = catalog.chunks(parent.id, None if names is None else tensors.keys())
+    return tensors, chunks
 
 
 def planner_for(
@@ -22,23 +44,21 @@ def planner_for(
     same_names: bool = False,
 ) -> tuple[DeltaPlanner, dict[int, TensorInfo]]:
     """The delta planner of a save of ``header`` after ``parent`` (None: the run's first),
-    and the parent's tensors by index. A keyframe every ``keyframe_interval`` checkpoints;
+    and the parent's tensors by index (:func:`keyframe_after`, :func:`parent_rows`);
     ``lossy``: what a lossy save asks for (its chunks need a base: none on a first save).
-    ``same_names``: read only the parent's tensors named as the header's (a part of many:
-    the rest of the parent is other writers')."""
+    ``same_names``: read only the parent's tensors named as the header's."""
     if parent is None:
         return DeltaPlanner(header, keyframe=True, since_keyframe=0, max_chain_depth=0), {}
+    keyframe, since = keyframe_after(parent, settings)
     names = {t.name for t in header.tensors} if same_names else None
-    tensors = {t.idx: t for t in catalog.tensors(parent.id, names)}
-    since = parent.since_keyframe + 1
-    keyframe = since >= settings.keyframe_interval
+    tensors, chunks = parent_rows(catalog, parent, names)
     planner = DeltaPlanner(
         header,
         keyframe=keyframe,
-        since_keyframe=0 if keyframe else since,
+        since_keyframe=since,
         max_chain_depth=settings.max_chain_depth,
         parent_tensors=tensors,
-        parent_chunks=catalog.chunks(parent.id, None if names is None else tensors.keys()),
+        parent_chunks=chunks,
         lossy=lossy,
         lossy_max_depth=settings.lossy_max_chain_depth,
     )
