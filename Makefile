@@ -31,7 +31,7 @@ setup: $(STAMP)
 
 serve: $(SERVE_STAMP)
 	@echo "ckptstore and ckptstore-service are in $(BIN) (export PATH=\"$(BIN):\$$PATH\")"
-	@echo "tokens (required when HOST is not loopback): CKPTSTORE_DATA_DIR=$(DATA) $(BIN)/ckptstore-service token create NAME --scope admin"
+	@echo "tokens (required when HOST is not loopback): CKPTSTORE_DATA_DIR=$(DATA) $(BIN)/ckptstore-service token create NAME --scope admin --runs '*'"
 	$(VENV)/bin/ckptstore-service serve --host $(HOST) --port $(PORT) --data-dir $(DATA)
 
 lint: $(STAMP)
