@@ -69,7 +69,12 @@ def test_a_database_restart_mid_save_lets_no_second_writer_in_and_no_collection(
     half = len(prefix) + len(w1.tobytes()) // 2
     sock = partial_upload(a.url, "r", 1, body[:half], len(body), timeout=60)
     try:
-        wait_until(lambda: _sql(pg_url, "SELECT count(*) FROM run_locks")[0][0] == 1, 20)
+        # the lock comes first, then the ``writing`` row: both must exist before the "restart"
+        wait_until(
+            lambda: _sql(pg_url, "SELECT count(*) FROM run_locks")[0][0] == 1
+            and _uploading(pg_url) == ["r"],
+            20,
+        )
         killed = _sql(
             pg_url,
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
