@@ -189,6 +189,9 @@ class RunDetail:
     stored_bytes: int = 0
     #: the stored bytes of other runs' chunks its checkpoints rest on (a fork's source)
     shared_bytes: int = 0
+    #: why retention deletes nothing now although its policy would (a checkpoint being
+    #: written in parts); None: not held back
+    retention_waiting: str | None = None
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> RunDetail:
@@ -200,4 +203,5 @@ class RunDetail:
             _policy(obj.get("effective_retention")),
             int(obj.get("stored_bytes", record.stored_bytes)),
             int(obj.get("shared_bytes", 0)),
+            obj.get("retention_waiting"),
         )

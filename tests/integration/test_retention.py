@@ -326,5 +326,6 @@ def test_retention_held_back_by_uncommitted_parts_says_why(
     assert "retention of 'busy' waits" in svc.log.read_text()
     quiet = httpx.get(f"{svc.url}/v1/runs/busy", timeout=30).json()
     assert quiet["retention_waiting"] == why
+    assert client.run_info("busy").retention_waiting == why  # the client's record says it too
     client.save("free", 0, states[0])
     assert httpx.get(f"{svc.url}/v1/runs/free", timeout=30).json()["retention_waiting"] is None

@@ -64,6 +64,10 @@ def verify_checkpoint(
     except CorruptData as exc:
         log.error("verifier: %s/%d: %s", info.run, info.step, exc)
         return CORRUPT
+    finally:
+        close = getattr(pieces, "close", None)
+        if close is not None:
+            close()  # a corrupt exit leaves the decode stream mid-chain: end it now, not at GC
     return VERIFIED
 
 
