@@ -24,8 +24,9 @@ for it, and that wait would be part of its stall). Training steps are timed too,
 whether an upload was in flight: on a shared host the service's encoding competes with
 training for the cores, a cost the stall does not show.
 
-``--device cuda`` trains on the GPU: staging is then a device-to-host ``copy_`` of each tensor
-into the pageable host buffers (torch.save copies to the host too).
+``--device cuda`` trains on the GPU: staging is then a non-blocking device-to-host copy of
+each tensor into page-locked (pinned) host buffers, all awaited before ``save_async`` returns
+(torch.save copies to the host too).
 
 ``--no-service`` (a host without the server's dependencies, e.g. a GPU box): no service, no
 ``save`` and no upload; the stall is then timed as what ``save_async`` runs before it returns,

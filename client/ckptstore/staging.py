@@ -8,13 +8,15 @@ in two:
    flattened (the skeleton of non-tensor leaves is serialised right there, so later changes
    to counters, lists or config dicts cannot leak in either) and every tensor is copied,
    bit for bit, into a host buffer: contiguous CPU tensors by memcpy, split over up to four
-   threads for large states; accelerator tensors and strided views by ``copy_``.
+   threads for large states; CUDA tensors by non-blocking copies into pinned buffers; other
+   accelerator tensors and strided views by ``copy_``.
 2. **Upload** (in one background thread per client): the staged copy goes through the very
    code path of a synchronous :meth:`~ckptstore.CheckpointClient.save`, so the body on the
    wire, and therefore the stored checkpoint, is byte-identical to a synchronous save of the
    same state. Retries and their back-off happen there too.
 
-The host buffers are plain (pageable) CPU tensors, one per tensor name, reused by the next
+The host buffers are CPU tensors, one per tensor name (page-locked for CUDA tensors, whose
+copies then run as asynchronous DMAs, all awaited before staging returns), reused by the next
 save whenever that name comes back with the same dtype and shape: steady-state saves allocate
 nothing and touch no fresh pages. That reuse is why at most one save is in flight per client:
 the next save waits for the previous upload before it overwrites the buffers. The cost is one
@@ -81,19 +83,26 @@ class StagingBuffers:
         kept: dict[str, torch.Tensor] = {}
         staged: list[tuple[str, torch.Tensor]] = []
         plain: list[tuple[_Bytes, _Bytes]] = []
+        devices: set[torch.device] = set()
         for name, tensor in flat.tensors:
             source = tensor.detach()
             buf = self._buffers.get(name)
             if buf is None or buf.dtype != source.dtype or buf.shape != source.shape:
-                buf = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+                buf = _host_buffer(source)
             if _is_plain(source):
                 plain.append((_raw(buf), _raw(source)))
+            elif source.device.type == "cuda" and buf.is_pinned():
+                # device to pinned host memory: a DMA that overlaps the other tensors' copies
+                buf.copy_(source, non_blocking=True)
+                devices.add(source.device)
             else:
                 # device to host, strided views, lazy neg/conj views (copy_ resolves them)
                 buf.copy_(source)
             kept[name] = buf
             staged.append((name, buf))
         self._memcpy(plain)
+        for device in devices:
+            torch.cuda.synchronize(device)  # every copy has landed before this returns
         self._buffers = kept
         return FlatState(tensors=staged, skeleton=flat.skeleton)
 
@@ -151,6 +160,13 @@ def _base_refs() -> int:
     if not _BASE_REFS:
         _BASE_REFS.append(_storage_refs(torch.empty(1)))
     return _BASE_REFS[0]
+
+
+def _host_buffer(source: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor of ``source``'s dtype and shape: page-locked (pinned) when ``source`` is
+    on a CUDA device, so its copy is an asynchronous DMA rather than a staged memcpy."""
+    pin = source.device.type == "cuda" and torch.cuda.is_available()
+    return torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pin)
 
 
 def _is_plain(t: torch.Tensor) -> bool:

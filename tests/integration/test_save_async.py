@@ -268,6 +268,8 @@ def test_accelerator_tensors_are_staged_to_host_buffers_bit_for_bit() -> None:
             t.detach().add_(1)  # after staging: must not show in the copies
     assert all(t.device.type == "cpu" for _, t in staged.tensors)
     assert [(name, bytes(tensor_bytes(t))) for name, t in staged.tensors] == expected
+    big = dict(staged.tensors)["big"]
+    assert big.is_pinned()  # a CUDA tensor's buffer is page-locked: its copy is a DMA
 
 
 # ------------------------------------------------------------------------------- errors
