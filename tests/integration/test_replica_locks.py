@@ -71,8 +71,10 @@ def test_a_database_restart_mid_save_lets_no_second_writer_in_and_no_collection(
     try:
         # the lock comes first, then the ``writing`` row: both must exist before the "restart"
         wait_until(
-            lambda: _sql(pg_url, "SELECT count(*) FROM run_locks")[0][0] == 1
-            and _uploading(pg_url) == ["r"],
+            lambda: (
+                _sql(pg_url, "SELECT count(*) FROM run_locks")[0][0] == 1
+                and _uploading(pg_url) == ["r"]
+            ),
             20,
         )
         killed = _sql(
