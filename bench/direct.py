@@ -1,29 +1,35 @@
-"""Service-encoded saves against direct ones (``CheckpointClient(direct=True)``), on the same
-real training checkpoints (bench/models.py), one writer, one replica on the local backend.
+"""Service-encoded saves and loads against direct ones (``CheckpointClient(direct=True)``), on
+the same real training checkpoints (bench/models.py), one writer, one replica, on the local
+backend (SQLite + a folder) or the production ones (``--backend s3``: PostgreSQL + moto).
 
-    .venv/bin/python bench/direct.py [--quick] [--runs ...] [--out bench/out]
+    .venv/bin/python bench/direct.py [--quick] [--runs ...] [--backend local|s3] [--out bench/out]
 
 For each run, each mode saves the same checkpoints in order into a fresh service, then
-loads every one back and compares it bit for bit. Measured per mode: the service's CPU
-seconds per GB saved (user + system of its process, the verifier paused by a long
-``CKPTSTORE_VERIFY_INTERVAL_S`` so the save path is measured alone), the client's CPU,
-save wall time, stored bytes, and the bytes the service received. Then the verifier is let
-run (a restart with a short interval) and its CPU seconds per GB verified are measured
-apart: direct saves move the encoding to the writer; decoding each client-encoded
-checkpoint once stays on the service, in the background, within its CPU share.
+loads every one back (a direct client decodes them itself) and compares it bit for bit.
+Measured per mode: the service's CPU seconds per GB saved and per GB loaded (user + system
+of its process, the verifier paused by a long ``CKPTSTORE_VERIFY_INTERVAL_S`` so the save
+and load paths are measured alone), the client's CPU, save and load wall time, stored bytes,
+the bytes the service read while saving (``rchar``: the request bodies, and on S3 nothing
+else) and wrote while loading (``wchar``: the responses; with S3 a direct load's ranges come
+from the bucket through presigned URLs, the service sends only their layout). Then the
+verifier is let run (a restart with a short interval) and its CPU seconds per GB verified
+are measured apart: direct saves move the encoding to the writer; decoding each
+client-encoded checkpoint once stays on the service, in the background, within its CPU
+share.
 
-The service is on loopback here, so "bytes through the service" are the encoded bytes on the
-local backend (with S3 they would go to the bucket instead: not measured here).
-Output: a table and bench/out/direct.json. Never fails on a missed target.
+Output: a table and bench/out/direct[-s3].json. Never fails on a missed target.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,23 +42,29 @@ sys.path.insert(0, str(ROOT / "bench"))
 import models  # noqa: E402
 from bench import mismatch, proc_cpu_s, raw_bytes  # noqa: E402
 from ckptstore import CheckpointClient  # noqa: E402
+from support.pg import pg_database  # noqa: E402
+from support.s3server import fake_aws_credentials, start_moto  # noqa: E402
 from support.serviceproc import Service  # noqa: E402
 
 GB = 1e9
 
 
-def rx_bytes(pid: int) -> int:
-    """Bytes the process read from sockets and files (``rchar`` of /proc/PID/io)."""
+def io_bytes(pid: int, field: str = "rchar") -> int:
+    """Bytes the process read (``rchar``) or wrote (``wchar``) through sockets and files
+    (/proc/PID/io)."""
     for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-        if line.startswith("rchar:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
 
 
-def measure(run: str, ckpts: list[tuple[int, Any]], workdir: Path, direct: bool) -> dict[str, Any]:
+def measure(
+    run: str, ckpts: list[tuple[int, Any]], workdir: Path, direct: bool, backend: dict[str, str]
+) -> dict[str, Any]:
     data_dir = workdir / f"{run}-{'direct' if direct else 'service'}"
     depth = str(max(16, len(ckpts) + 1))
     env = {
+        **backend,
         "CKPTSTORE_KEYFRAME_INTERVAL": depth,
         "CKPTSTORE_MAX_CHAIN_DEPTH": depth,
         "CKPTSTORE_VERIFY_INTERVAL_S": "3600",
@@ -62,13 +74,13 @@ def measure(run: str, ckpts: list[tuple[int, Any]], workdir: Path, direct: bool)
     svc = Service(data_dir, env).start()
     try:
         with CheckpointClient(svc.url, timeout=600, direct=direct) as client:
-            cpu0, rx0, mine0 = proc_cpu_s(svc.pid), rx_bytes(svc.pid), time.process_time()
+            cpu0, rx0, mine0 = proc_cpu_s(svc.pid), io_bytes(svc.pid), time.process_time()
             t0 = time.perf_counter()
             for step, state in ckpts:
                 client.save(run, step, state)
             save_s = time.perf_counter() - t0
             svc_cpu = proc_cpu_s(svc.pid) - cpu0
-            received = rx_bytes(svc.pid) - rx0
+            received = io_bytes(svc.pid) - rx0
             client_cpu = time.process_time() - mine0
             stored = sum(c.stored_bytes for c in client.list(run))
     finally:
@@ -89,8 +101,17 @@ def measure(run: str, ckpts: list[tuple[int, Any]], workdir: Path, direct: bool)
         assert set(states) == {"verified"}, states
     svc = Service(data_dir, env).start()
     try:
-        with CheckpointClient(svc.url, timeout=600) as client:
-            wrong = [s for s, state in ckpts if mismatch(state, client.load(run, s))]
+        with CheckpointClient(svc.url, timeout=600, direct=direct) as client:
+            client.list(run)  # the connection and the first query, before the clocks
+            cpu0, tx0, mine0 = proc_cpu_s(svc.pid), io_bytes(svc.pid, "wchar"), time.process_time()
+            t0 = time.perf_counter()
+            loaded = [(s, state, client.load(run, s)) for s, state in ckpts]
+            load_s = time.perf_counter() - t0
+            load_cpu = proc_cpu_s(svc.pid) - cpu0
+            sent = io_bytes(svc.pid, "wchar") - tx0
+            client_load_cpu = time.process_time() - mine0
+            wrong = [s for s, state, got in loaded if mismatch(state, got)]
+            del loaded
     finally:
         svc.stop()
     return {
@@ -101,6 +122,10 @@ def measure(run: str, ckpts: list[tuple[int, Any]], workdir: Path, direct: bool)
         "client_cpu_s_per_gb": client_cpu / (raw / GB),
         "service_read_fraction": received / raw,
         "verify_cpu_s_per_gb": verify_cpu / (raw / GB),
+        "load_s": load_s,
+        "service_load_cpu_s_per_gb": load_cpu / (raw / GB),
+        "client_load_cpu_s_per_gb": client_load_cpu / (raw / GB),
+        "service_sent_fraction": sent / raw,
         "verify_s": verify_s,
         "mismatched_steps": wrong,
     }
@@ -112,27 +137,55 @@ def main() -> None:
     p.add_argument("--runs", nargs="+", choices=list(models.RUNS), default=list(models.RUNS))
     p.add_argument("--checkpoints", type=int, default=None, help="per run (default 9; quick 4)")
     p.add_argument("--every", type=int, default=25)
+    p.add_argument("--backend", choices=["local", "s3"], default="local")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = p.parse_args()
+    with contextlib.ExitStack() as stack:
+        backend = {} if args.backend == "local" else stack.enter_context(production())
+        bench(args, backend)
+
+
+@contextlib.contextmanager
+def production() -> Iterator[dict[str, str]]:
+    """The service's settings for PostgreSQL (a fresh database) and a moto S3 server."""
+    with fake_aws_credentials(), pg_database() as pg_url:
+        url, stop = start_moto()
+        try:
+            yield {
+                "CKPTSTORE_DATABASE_URL": pg_url,
+                "CKPTSTORE_BLOB_URL": f"s3://bench-{uuid.uuid4().hex[:8]}/ckpt",
+                "CKPTSTORE_S3_ENDPOINT_URL": url,
+                "CKPTSTORE_S3_PATH_STYLE": "true",
+                "CKPTSTORE_S3_CREATE_BUCKET": "true",
+                "CKPTSTORE_S3_REGION": "us-east-1",
+            }
+        finally:
+            stop()
+
+
+def bench(args: argparse.Namespace, backend: dict[str, str]) -> None:
     torch.set_num_threads(2)
     size = models.SIZES["quick" if args.quick else "full"]
     n_ckpt = args.checkpoints or (4 if args.quick else 9)
-    out: dict[str, Any] = {"quick": args.quick, "runs": {}}
+    out: dict[str, Any] = {"quick": args.quick, "backend": args.backend, "runs": {}}
     workdir = Path(tempfile.mkdtemp(prefix="ckptstore-direct-"))
     print(
         f"{'run':18} {'mode':8} {'raw MB':>8} {'stored':>8} {'save s':>7} {'svc s/GB':>9} "
-        f"{'cli s/GB':>9} {'rx/raw':>7} {'verify s/GB':>12} exact"
+        f"{'cli s/GB':>9} {'rx/raw':>7} {'verify s/GB':>12} {'load s':>7} {'svc ld s/GB':>11} "
+        f"{'cli ld s/GB':>11} {'tx/raw':>7} exact"
     )
     for name in args.runs:
         ckpts = models.RUNS[name](size, n_ckpt, args.every, lambda _: None).checkpoints
         for direct in (False, True):
-            m = measure(name, ckpts, workdir, direct)
+            m = measure(name, ckpts, workdir, direct, backend)
             out["runs"].setdefault(name, {})["direct" if direct else "service"] = m
             print(
                 f"{name:18} {'direct' if direct else 'service':8} {m['raw_bytes'] / 1e6:8.1f} "
                 f"{m['stored_bytes'] / 1e6:8.1f} {m['save_s']:7.2f} "
                 f"{m['service_cpu_s_per_gb']:9.3f} {m['client_cpu_s_per_gb']:9.3f} "
                 f"{m['service_read_fraction']:7.3f} {m['verify_cpu_s_per_gb']:12.3f} "
+                f"{m['load_s']:7.2f} {m['service_load_cpu_s_per_gb']:11.3f} "
+                f"{m['client_load_cpu_s_per_gb']:11.3f} {m['service_sent_fraction']:7.4f} "
                 f"{'yes' if not m['mismatched_steps'] else m['mismatched_steps']}",
                 flush=True,
             )
@@ -140,7 +193,8 @@ def main() -> None:
         ratio = both["direct"]["stored_bytes"] / both["service"]["stored_bytes"]
         print(f"{name:18} stored direct / service: {ratio:.3f}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "direct.json").write_text(json.dumps(out, indent=1))
+    suffix = "" if args.backend == "local" else f"-{args.backend}"
+    (args.out / f"direct{suffix}.json").write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

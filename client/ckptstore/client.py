@@ -96,8 +96,10 @@ class CheckpointClient:
 
     ``direct=True`` encodes each save in this process (the core's chunk pipeline, against
     the state this client last saved of the run) and sends the encoded chunks: the service
-    plans, checks and commits, never encodes (docs/scale.md). ``None`` (the default) and
-    ``False``: the service encodes.
+    plans, checks and commits, never encodes; loads fetch the stored chunks (straight from
+    S3 through presigned URLs, else through the service unchanged) and decode them here, so
+    no replica decodes (docs/scale.md). ``None`` (the default) and ``False``: the service
+    encodes and decodes.
 
     ``transport``: a :class:`~ckptstore.Transport` to send through instead of one the
     client makes from ``url``, ``token``, ``timeout``, ``retries`` and ``backoff`` (passing
@@ -513,6 +515,12 @@ class CheckpointClient:
     def _fetch(
         self, run: str, step: int | str, prefix: str | None, map_location: Any, show: bool
     ) -> tuple[dict[str, Any], dict[str, str], int | str]:
+        if self.direct:
+            from ckptstore.direct_load import load_direct  # the codec: only when used
+
+            got = self.transport.retry(lambda: load_direct(self.transport, run, step, prefix))
+            tensors = as_tensors(got.specs, got.buffers, map_location)
+            return tensors, got.metadata, got.step
         return fetch_tensors(self.transport, run, step, prefix, map_location, show)
 
 
@@ -527,19 +535,31 @@ def fetch_tensors(
     """The tensors of ``run/step`` whose names start with ``prefix`` (on ``map_location``),
     the header's metadata and the step served (``latest`` resolved); retried as
     ``transport`` is configured, a progress bar if ``show``."""
-    from ckptstore.state import tensor_from_bytes
-
     query = f"?{urlencode({'prefix': prefix})}" if prefix else ""
     header, buffers, served = transport.retry(
         lambda: _download(transport, checkpoint_path(run, step) + query, show, f"load {run}/{step}")
     )
+    specs = [(t.name, t.dtype, t.shape) for t in header.tensors]
+    tensors = as_tensors(specs, buffers, map_location)
+    return tensors, dict(header.metadata), step if served is None else int(served)
+
+
+def as_tensors(
+    specs: Sequence[tuple[str, str, tuple[int, ...]]],
+    buffers: Sequence[memoryview],
+    map_location: Any,
+) -> dict[str, Any]:
+    """The tensors ``specs`` (name, dtype, shape) on ``map_location``, each one's storage
+    its buffer (on the CPU)."""
+    from ckptstore.state import tensor_from_bytes
+
     tensors = {}
-    for spec, buf in zip(header.tensors, buffers, strict=True):
-        tensor = tensor_from_bytes(buf, spec.dtype, spec.shape)
+    for (name, dtype, shape), buf in zip(specs, buffers, strict=True):
+        tensor = tensor_from_bytes(buf, dtype, shape)
         if str(map_location) != "cpu":
             tensor = tensor.to(map_location)
-        tensors[spec.name] = tensor
-    return tensors, dict(header.metadata), step if served is None else int(served)
+        tensors[name] = tensor
+    return tensors
 
 
 def _download(

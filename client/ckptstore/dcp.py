@@ -742,7 +742,9 @@ class CkptStoreReader(StorageReader):
         if by_name:
             assert self.served_step is not None
             with self._client() as client:
-                self.bytes_read = parts.select(client, self.run, self.served_step, by_name, consume)
+                self.bytes_read = parts.select(
+                    client, self.run, self.served_step, by_name, consume, direct=client.direct
+                )
         future: Future[None] = Future()
         future.set_result(None)
         return future

@@ -165,11 +165,14 @@ def select(
     step: int,
     names: Iterable[str],
     consume: Callable[[TensorSpec, memoryview], None],
+    *,
+    direct: bool = False,
 ) -> int:
     """Fetch the tensors ``names`` of checkpoint ``run/step`` and hand each to
     ``consume(spec, data)`` as it arrives (``data`` is valid during the call only), checked
     against its checksum. Each tensor is consumed once: a retry after a cut connection asks
-    for the rest only. Returns the bytes of tensor data received."""
+    for the rest only. Returns the bytes of tensor data received. ``direct``: their stored
+    chunks are fetched and decoded here (:mod:`ckptstore.direct_load`)."""
     transport = transport_of(client)
     left = dict.fromkeys(names)  # the names not consumed yet, in the order asked
     path = f"{checkpoint_path(run, step)}/select"
@@ -178,6 +181,16 @@ def select(
     def attempt() -> None:
         nonlocal received
         if not left:
+            return
+        if direct:
+            from ckptstore.direct_load import load_direct  # the codec: only when used
+
+            got = load_direct(transport, run, step, names=list(left))
+            specs = encode_header(got.specs, {})[1].tensors
+            for spec, buf in zip(specs, got.buffers, strict=True):
+                consume(spec, buf)
+                del left[spec.name]
+                received += spec.nbytes
             return
         raw = json.dumps({"names": list(left)}, separators=(",", ":")).encode()
         with transport.stream("POST", path, [raw], len(raw), "application/json") as response:

@@ -29,14 +29,22 @@ from typing import TypeVar
 
 import xxhash
 
+from ckptstore_core.assemble import full_view
 from ckptstore_core.errors import CheckpointNotFound, CorruptData, InvalidRequest
 from ckptstore_core.wire import encode_header
-from ckptstore_service.assemble import full_view
 from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog, CheckpointRecord, TensorInfo
 from ckptstore_service.chains import ChainSource, DecodeStats, Piece, check_empty
 
-__all__ = ["CHECKSUMS_KEY", "Loader", "Restore", "resolving_latest", "tensors_of"]
+__all__ = [
+    "CHECKSUMS_KEY",
+    "Loader",
+    "Restore",
+    "corrupt_verdict",
+    "resolving_latest",
+    "selected",
+    "tensors_of",
+]
 
 CHECKSUMS_KEY = "ckptstore.xxh3_128"
 _READ_BYTES = 4 << 20
@@ -74,7 +82,7 @@ class Loader:
         (raises the not-found errors, and any error before the first piece, up front).
 
         Without ``names``, a checkpoint written through torch.distributed.checkpoint comes
-        as its full tensors (:mod:`ckptstore_service.assemble`); ``names`` selects stored
+        as its full tensors (:mod:`ckptstore_core.assemble`); ``names`` selects stored
         tensors (a DCP checkpoint's pieces) as they are.
 
         ``step`` None is the run's latest: if the checkpoint it resolved to is deleted
@@ -92,11 +100,7 @@ class Loader:
         names: Collection[str] | None,
     ) -> Restore:
         info = self._catalog.get(run, step)
-        if info.verification == "corrupt":
-            raise CorruptData(
-                f"checkpoint {run}/{info.step} holds client-encoded chunks that do not decode "
-                "to their checksums (found by the verifier)"
-            )
+        corrupt_verdict(info)
         tensors = tensors_of(self._catalog, info)
         view = full_view(info.stored_metadata, tensors, prefix) if names is None else None
         if view is not None:
@@ -106,7 +110,7 @@ class Loader:
                 view.metadata(info.stored_metadata),
                 lambda stats: view.stream(self._data(info, view.stored, stats, fill=False)),
             )
-        tensors = _selected(info, tensors, prefix, names)
+        tensors = selected(info, tensors, prefix, names)
         metadata = dict(info.stored_metadata)
         metadata[CHECKSUMS_KEY] = json.dumps({t.name: t.checksum.hex() for t in tensors})
         whole = not prefix and names is None
@@ -175,6 +179,15 @@ def resolving_latest(run: str, step: int | None, read: Callable[[], T]) -> T:
     return read()
 
 
+def corrupt_verdict(info: CheckpointRecord) -> None:
+    """CorruptData if the verifier found ``info`` corrupt: it loads no more."""
+    if info.verification == "corrupt":
+        raise CorruptData(
+            f"checkpoint {info.run}/{info.step} holds client-encoded chunks that do not "
+            "decode to their checksums (found by the verifier)"
+        )
+
+
 def tensors_of(catalog: Catalog, info: CheckpointRecord) -> list[TensorInfo]:
     """The tensors of checkpoint ``info``; CheckpointNotFound if it was deleted since
     ``info`` was read (its rows went with it)."""
@@ -184,7 +197,7 @@ def tensors_of(catalog: Catalog, info: CheckpointRecord) -> list[TensorInfo]:
     return tensors
 
 
-def _selected(
+def selected(
     info: CheckpointRecord,
     tensors: list[TensorInfo],
     prefix: str | None,

@@ -21,6 +21,7 @@ from ckptstore_service.catalog import Catalog
 from ckptstore_service.chains import ChainSource
 from ckptstore_service.maintenance.garbage import collect_crashed_uploads
 from ckptstore_service.metrics import Metrics
+from ckptstore_service.ranges import DirectLoads
 from ckptstore_service.restore import Loader
 from ckptstore_service.save import Saver
 from ckptstore_service.save.direct import DirectSaver
@@ -93,6 +94,7 @@ class Runtime:
     saver: Saver = field(init=False)
     parts: PartSaver = field(init=False)
     direct: DirectSaver = field(init=False)
+    ranges: DirectLoads = field(init=False)
     loader: Loader = field(init=False)
     policy: CachePolicy = field(init=False)
 
@@ -117,6 +119,7 @@ class Runtime:
             self.source.stream,
         )
         self.direct = DirectSaver(self.catalog, self.store, self.parts, self.settings, self.metrics)
+        self.ranges = DirectLoads(self.catalog, self.store, self.settings.url_ttl_s)
 
     @classmethod
     def open(cls, settings: Settings, metrics: Metrics | None = None) -> Runtime:

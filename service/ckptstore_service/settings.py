@@ -78,6 +78,12 @@ class Settings(BaseSettings):
         description="How often the verifier looks for committed checkpoints whose chunks "
         "their writers encoded (direct=True) and decodes them (docs/scale.md).",
     )
+    url_ttl_s: int = Field(
+        default=3600,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="How long the presigned S3 URLs of a direct load live (docs/scale.md).",
+    )
     verify_cpu_share: float = Field(
         default=0.5,
         gt=0,

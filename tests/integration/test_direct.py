@@ -264,8 +264,9 @@ def test_checkpoint_client_direct_saves_a_training_run_exactly(
 def test_dcp_ranks_encode_their_own_parts_and_load_into_other_world_sizes(
     make_service: Callable[..., Service], tmp_path: Path
 ) -> None:
-    """3 FSDP2 ranks save steps 2 and 4 with ``CkptStoreWriter(direct=True)``; 2 ranks and
-    1 rank load both bit for bit; the service verified what the ranks encoded."""
+    """3 FSDP2 ranks save steps 2 and 4 with ``CkptStoreWriter(direct=True)``; 2 ranks
+    (decoding their reads themselves, ``CkptStoreReader(direct=True)``) and 1 rank load both
+    bit for bit; the service verified what the ranks encoded."""
     from support import dcp_ranks
     from support.states import assert_same_state
 
@@ -276,7 +277,10 @@ def test_dcp_ranks_encode_their_own_parts_and_load_into_other_world_sizes(
     for world in (2, 1):
         out = tmp_path / f"loaded-{world}"
         out.mkdir()
-        dcp_ranks.launch(dcp_ranks.load_run, world, service.url, "dcp", str(out), [2, 4], [])
+        direct = world == 2
+        dcp_ranks.launch(
+            dcp_ranks.load_run, world, service.url, "dcp", str(out), [2, 4], [], direct
+        )
         for step in (2, 4):
             assert_same_state(
                 torch.load(saved / f"full-{step}.pt", weights_only=True),

@@ -198,16 +198,18 @@ def load_run(
     out: str,
     loads: list[int | str],
     then_train: list[int],
+    direct: bool = False,
 ) -> None:
     """Load each of ``loads`` into a fresh model of ``world`` ranks, gathering the full state
     (rank 0: loaded-{world}-{step}.pt) and noting the bytes each rank fetched; then train
-    the steps ``then_train`` from the last one loaded (losses in resumed-{rank}.json)."""
+    the steps ``then_train`` from the last one loaded (losses in resumed-{rank}.json).
+    ``direct``: each rank decodes what it reads (``CkptStoreReader(direct=True)``)."""
     init(rank, world, port)
     model, opt = build(seed=1234)  # other values than the saved ones
     fetched = {}
     for step in loads:
         state = sharded(model, opt)
-        reader = CkptStoreReader(replica(url, rank), run, step)
+        reader = CkptStoreReader(replica(url, rank), run, step, direct=direct)
         dcp.load(state, storage_reader=reader)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         fetched[str(step)] = [reader.bytes_read, local_shard_bytes(state)]

@@ -250,7 +250,7 @@ def test_full_state_assembles_shards_and_unflattens() -> None:
 
 
 def _full_view(text: str, stored: dict[str, torch.Tensor], prefix: str | None = None) -> Any:
-    from ckptstore_service.assemble import full_view
+    from ckptstore_core.assemble import full_view
     from ckptstore_service.catalog import TensorInfo
 
     infos = [
@@ -264,7 +264,7 @@ def _served(
     text: str, stored: dict[str, torch.Tensor], prefix: str | None = None
 ) -> dict[str, torch.Tensor]:
     """What the service's GET returns for a DCP checkpoint of ``stored`` pieces: its
-    full tensors by DCP name (:mod:`ckptstore_service.assemble`, without I/O)."""
+    full tensors by DCP name (:mod:`ckptstore_core.assemble`, without I/O)."""
     view = _full_view(text, stored, prefix)
     assert view is not None
     data = view.stream(iter([tensor_bytes(stored[t.name]) for t in view.stored]))

@@ -1,5 +1,5 @@
 """ckptstore_core.dcp_layout (which stored piece is which region of which tensor) and the
-service's full view of a DCP checkpoint (ckptstore_service.assemble), torch-free."""
+service's full view of a DCP checkpoint (ckptstore_core.assemble), torch-free."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ckptstore_core.assemble import full_view
 from ckptstore_core.dcp_layout import FULL, LAYOUT_KEY, METADATA_KEY, parse_layout
 from ckptstore_core.errors import CorruptData
-from ckptstore_service.assemble import full_view
 from ckptstore_service.catalog import TensorInfo
 
 

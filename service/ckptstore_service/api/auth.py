@@ -108,6 +108,8 @@ ROUTE_ACCESS: dict[tuple[str, str], Access] = {
     ("GET", _STEP): _READ_RUN,
     ("GET", _STEP + "/info"): _READ_RUN,
     ("POST", _STEP + "/select"): _READ_RUN,
+    ("POST", _STEP + "/ranges"): _READ_RUN,  # a direct load's layout
+    ("GET", _STEP + "/blobs/{index}"): _READ_RUN,  # a range of a blob its chains read
     ("POST", _STEP): _WRITE_RUN,
     ("PUT", _STEP + "/parts/{part}"): _WRITE_RUN,
     ("POST", _STEP + "/commit"): _WRITE_RUN,

@@ -10,6 +10,11 @@ and those of writers that encode their own chunks (``direct=True``, docs/scale.m
 
     POST /v1/runs/{run}/checkpoints/{step}/plan                 {"names": [...]} -> the plan
     PUT  /v1/runs/{run}/checkpoints/{step}/parts/{part}/encoded  the encoded part
+
+and of clients that decode their own loads (``direct=True``, :mod:`ckptstore_service.ranges`):
+
+    POST /v1/runs/{run}/checkpoints/{step}/ranges     {"prefix" | "names"} -> the layout
+    GET  /v1/runs/{run}/checkpoints/{step}/blobs/{i}  ?start=&end=: stored bytes, unchanged
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -37,7 +42,14 @@ from ckptstore_service.api.body import Uploads, consume_body
 from ckptstore_service.api.deps import MaintenanceDep, RuntimeDep, UploadLimiterDep
 from ckptstore_service.api.openapi import CHECKPOINT_STREAM, SAFETENSORS_BODY, error_responses
 from ckptstore_service.api.routes import stream_response
-from ckptstore_service.api.schemas import CheckpointDetail, CommitIn, PartOut, PlanIn, SelectIn
+from ckptstore_service.api.schemas import (
+    CheckpointDetail,
+    CommitIn,
+    PartOut,
+    PlanIn,
+    RangesIn,
+    SelectIn,
+)
 from ckptstore_service.catalog import PartRecord
 from ckptstore_service.names import check_run_name, parse_step
 from ckptstore_service.restore import resolving_latest, tensors_of
@@ -217,6 +229,50 @@ async def select_tensors(
     step_n = parse_step(step, allow_latest=True)
     restore = await run_in_threadpool(rt.loader.open, run, step_n, None, body.names)
     return stream_response(restore)
+
+
+@router.post(_CHECKPOINT + "/ranges", responses=error_responses(*_READ))
+async def ranges(
+    run: Run,
+    step: Annotated[str, Path(description="A step or `latest`")],
+    body: RangesIn,
+    rt: RuntimeDep,
+) -> dict[str, Any]:
+    """What a client that decodes its own load (`direct=True`, docs/scale.md) reads: the
+    tensors under `prefix` (or `names`, or all), every chunk their chains reach (codec,
+    base, blob, range, checksum) and the blobs, each with a presigned URL where the store
+    hands them out (S3), else read through `GET .../blobs/{i}`."""
+    check_run_name(run)
+    step_n = parse_step(step, allow_latest=True)
+    return await run_in_threadpool(rt.ranges.layout, run, step_n, body.prefix, body.names)
+
+
+@router.get(
+    _CHECKPOINT + "/blobs/{index}",
+    response_model=None,
+    response_class=Response,
+    responses={
+        200: {"content": {"application/octet-stream": {}}, "description": "The bytes"},
+        **error_responses(*_READ),
+    },
+)
+async def blob_range(
+    run: Run,
+    step: Step,
+    index: Annotated[int, Path(description="The blob's place in the layout's `blobs`")],
+    start: Annotated[int, Query(ge=0)],
+    end: Annotated[int, Query(ge=0)],
+    rt: RuntimeDep,
+) -> StreamingResponse:
+    """Bytes `[start, end)` of a blob that checkpoint `step`'s chains read, as stored (a
+    direct load decodes them)."""
+    check_run_name(run)
+    body = await run_in_threadpool(rt.ranges.blob_range, run, _step(step), index, start, end)
+    return StreamingResponse(
+        body,
+        media_type="application/octet-stream",
+        headers={"Content-Length": str(end - start)},
+    )
 
 
 def _step(step: str) -> int:

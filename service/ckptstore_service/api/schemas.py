@@ -85,6 +85,11 @@ class SelectIn(BaseModel):
     names: list[str] = Field(description="The tensors to read, by name")
 
 
+class RangesIn(BaseModel):
+    prefix: str | None = Field(None, description="Only the tensors whose names start with it")
+    names: list[str] | None = Field(None, description="Only these stored tensors, by name")
+
+
 class TensorOut(BaseModel):
     name: str
     dtype: str

@@ -28,12 +28,12 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
+from ckptstore_core.assemble import layout_view
 from ckptstore_core.dcp_layout import METADATA_KEY
 from ckptstore_core.errors import CheckpointExists, InvalidRequest
 from ckptstore_core.pipeline import BaseReader, ChunkPipeline, FileBases
 from ckptstore_core.records import LOSSY_KEY, USER_METADATA_KEY, decode_user_metadata
 from ckptstore_core.wire import Header
-from ckptstore_service.assemble import layout_view
 from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog, CheckpointRecord, Lease, PartRecord
 from ckptstore_service.chains import ChainDecoder, StoredBases
@@ -237,7 +237,7 @@ class PartSaver:
 
     def _check_layout(self, run: str, step: int, names: Sequence[str], text: str) -> None:
         """InvalidRequest unless DCP metadata ``text`` is a layout of the parts' tensors
-        (what a plain GET serves as full tensors, :mod:`ckptstore_service.assemble`).
+        (what a plain GET serves as full tensors, :mod:`ckptstore_core.assemble`).
         Parts missing or unfinished are left to the commit to refuse."""
         checkpoint_id = self._catalog.open_parts_of(run, step)
         if checkpoint_id is None:

@@ -81,6 +81,12 @@ class BlobStore(abc.ABC):
     @abc.abstractmethod
     def iter_keys(self, prefix: str = "") -> Iterator[str]: ...
 
+    def presigned_get(self, key: str, expires_s: int) -> str | None:
+        """A URL that reads blob ``key`` (ranged GETs: a ``Range`` header) without
+        credentials for ``expires_s`` seconds, and no other key; None where the store hands
+        out none (the service then serves the ranges itself: direct loads)."""
+        return None
+
     def discard(self, key: str) -> None:
         """``delete`` after a failed write; backends with long waits bound it tighter."""
         self.delete(key)

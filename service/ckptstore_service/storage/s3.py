@@ -286,6 +286,16 @@ class S3BlobStore(BlobStore):
         with self._errors("readiness check (list)"):
             self._probe.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)
 
+    def presigned_get(self, key: str, expires_s: int) -> str:
+        # signed here, with no request: SigV4 covers the key and the expiry, not the Range
+        full = self.prefix + check_key(key)
+        params = {"Bucket": self.bucket, "Key": full}
+        with self._errors("presign", key):
+            url: str = self._client.generate_presigned_url(
+                "get_object", Params=params, ExpiresIn=expires_s
+            )
+        return url
+
     def discard(self, key: str) -> None:
         full = self.prefix + check_key(key)
         try:

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ckptstore_core.chain import Piece
 from ckptstore_core.dcp_layout import FULL, LAYOUT_KEY, METADATA_KEY, Entry, parse_layout
 from ckptstore_core.errors import CorruptData
+from ckptstore_core.pipeline.rows import TensorInfo
 from ckptstore_core.wire import DTYPE_SIZES
-from ckptstore_service.catalog import TensorInfo
-from ckptstore_service.chains import Piece
 
 __all__ = ["FullView", "full_view", "layout_view"]
 
