@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +32,7 @@ __all__ = [
     "ChainDecoder",
     "ChainSource",
     "DecodeStats",
+    "DecodedChunks",
     "Piece",
     "StoredBases",
     "WindowReader",
@@ -49,6 +50,101 @@ class DecodeStats:
     source: str = "cache"
     fetch_s: float = 0.0  # summed over the codec threads
     decode_s: float = 0.0
+    links: int = 0  # stored links decoded (a chunk kept decoded costs none)
+    kept: int = 0  # chunks served from, or started from, the decoded chunks kept
+
+
+class DecodedChunks:
+    """Chunks decoded from storage, kept in memory for the loads that follow: least recently
+    used first out, within ``budget`` bytes (0 keeps nothing).
+
+    A load deep in a chain decodes every link of every chunk's chain; the loads of the
+    steps around it (an evaluation sweep, a loop over a run's steps, a job resumed from the
+    step it just evaluated) would decode the same links again. With each link's bytes kept
+    as it is decoded (verified against its own checksum), a chain is decoded from its newest
+    kept link, and a sweep over a run decodes each link once.
+
+    Entries are keyed by chunk id and hold the checksum they were verified against: a chunk
+    row keeps its id and raw bytes through re-roots and re-bases, and one whose bytes
+    changed (a lossy re-encoding) or whose id was reused no longer matches its entry.
+    ``on_decoded(links)`` counts the stored links decoded (the metrics' counter).
+    """
+
+    def __init__(self, budget: int, on_decoded: Callable[[int], None] | None = None) -> None:
+        self.budget = budget
+        self._entries: OrderedDict[int, tuple[bytes, memoryview]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._flights: dict[int, threading.Event] = {}  # chunk ids being decoded
+        self._on_decoded = on_decoded
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def get(self, c: ChunkInfo) -> memoryview | None:
+        """``c``'s bytes if they are kept (read-only), else None."""
+        with self._lock:
+            return self._get(c)
+
+    def begin(self, c: ChunkInfo) -> memoryview | None:
+        """``c``'s bytes if they are kept; else None, and the caller decodes ``c``, keeps it
+        and calls :meth:`end`: meanwhile other threads' ``begin(c)`` wait for it rather
+        than decode it too (the codec threads of one load share fp32 masters and refs)."""
+        while True:
+            with self._lock:
+                kept = self._get(c)
+                if kept is not None:
+                    return kept
+                flight = self._flights.get(c.id)
+                if flight is None:
+                    self._flights[c.id] = threading.Event()
+                    return None
+            flight.wait()  # then kept, or not (it failed, or it did not fit): look again
+
+    def end(self, c: ChunkInfo) -> None:
+        with self._lock:
+            flight = self._flights.pop(c.id, None)
+        if flight is not None:
+            flight.set()
+
+    def put(self, c: ChunkInfo, data: Piece) -> None:
+        """Keep ``data``, the verified bytes of ``c`` (never written to again), evicting the
+        least recently used entries to stay within the budget."""
+        size = len(data)
+        if not 0 < size <= self.budget:
+            return
+        view = memoryview(data).toreadonly()
+        with self._lock:
+            if c.id in self._entries:
+                self._drop(c.id)
+            self._entries[c.id] = (c.checksum, view)
+            self._bytes += size
+            while self._bytes > self.budget:
+                self._drop(next(iter(self._entries)))
+
+    def decoded(self, links: int) -> None:
+        if self._on_decoded is not None and links:
+            self._on_decoded(links)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def _get(self, c: ChunkInfo) -> memoryview | None:
+        entry = self._entries.get(c.id)
+        if entry is None:
+            return None
+        if entry[0] != c.checksum or len(entry[1]) != c.raw_len:
+            self._drop(c.id)
+            return None
+        self._entries.move_to_end(c.id)
+        return entry[1]
+
+    def _drop(self, chunk_id: int) -> None:
+        _, view = self._entries.pop(chunk_id)
+        self._bytes -= len(view)
 
 
 class ChainDecoder:
@@ -63,9 +159,14 @@ class ChainDecoder:
         closure: dict[int, ChunkInfo],
         keep_budget: int,
         stats: DecodeStats | None = None,
+        decoded: DecodedChunks | None = None,
     ) -> None:
         self.closure = closure
         self.stats = stats or DecodeStats()
+        # chunks kept decoded across loads: chains start from their newest kept link, and
+        # every link decoded is kept (see DecodedChunks)
+        self._decoded = decoded
+        self.decoded = decoded if decoded is not None and decoded.budget else None
         self.reader = WindowReader(store, closure.values())
         # fp32 chunks that bf16/f16 chunks are predicted from, once decoded for their own
         # tensor: kept (within a byte budget) until the copy needs them, instead of decoding
@@ -144,25 +245,72 @@ class ChainDecoder:
         """The raw bytes of ``c``: its chain back to a self-contained chunk, or to a chunk
         predicted from an fp32 master (decoded first, then cast), decoded forward, checked
         against ``c``'s own checksum (a ref's is that of the bytes it refers to: a ref whose
-        base id points at another chunk must not pass for it)."""
+        base id points at another chunk must not pass for it). With decoded chunks kept, the
+        chain starts from its newest kept link and each link is checked and kept."""
         want = c
-        deltas, c = self.chain(c)
+        deltas, bottom = self.chain(c)
+        if self.decoded is None:
+            links = self._bottom(bottom) + [(d.codec, self.fetch(d)) for d in reversed(deltas)]
+            return self._decode_links(links, want, _stored(bottom) + len(deltas))
+        states = [*deltas, bottom]  # each link's own bytes, newest first
+        if states[0].checksum != want.checksum:
+            raise CorruptData(
+                f"chunk checksum mismatch: the catalog's chunk {want.id} refers "
+                f"to chunk {states[0].id}, whose bytes differ"
+            )
+        kept = self.decoded.begin(states[0])
+        if kept is not None:
+            self.stats.kept += 1
+            return kept
+        try:
+            for i, link in enumerate(states[1:], 1):
+                kept = self.decoded.get(link)
+                if kept is not None:
+                    self.stats.kept += 1
+                    return self._forward(kept, deltas[:i])
+            state = self._decode_links(self._bottom(bottom), bottom, _stored(bottom))
+            self.decoded.put(bottom, state)
+            return self._forward(state, deltas)
+        finally:
+            self.decoded.end(states[0])
+
+    def _bottom(self, c: ChunkInfo) -> list[tuple[str, Buffer]]:
+        """The first links of a chain resting on ``c``: ``c`` itself if it is self-contained;
+        for a copy predicted from an fp32 master, the master's cast (decoded first), then
+        ``c``'s own residual if it has one."""
         cast = codec.split_cast(c.codec)
         if cast is None:
-            links = [(c.codec, self.fetch(c))]
-        else:
-            master = self.master_of(c)
-            with self._kept_lock:
-                source = self._kept.pop(master.id, None)
-            if source is None:
-                source = self.decode(master)  # 4-byte items: not predicted, no recursion
-            links = [(codec.RAW, codec.cast_prediction(source, cast[0]))]
-            if cast[1] != codec.REF:
-                links.append((cast[1], self.fetch(c)))
-        links += [(d.codec, self.fetch(d)) for d in reversed(deltas)]
+            return [(c.codec, self.fetch(c))]
+        master = self.master_of(c)
+        with self._kept_lock:
+            source = self._kept.pop(master.id, None)
+        if source is None:
+            source = self.decode(master)  # 4-byte items: not predicted, no recursion
+        links: list[tuple[str, Buffer]] = [(codec.RAW, codec.cast_prediction(source, cast[0]))]
+        if cast[1] != codec.REF:
+            links.append((cast[1], self.fetch(c)))
+        return links
+
+    def _forward(self, state: Piece, deltas: list[ChunkInfo]) -> Piece:
+        """``state`` with ``deltas`` (newest first) applied, oldest first, each result
+        checked against its own chunk's checksum and kept."""
+        assert self.decoded is not None
+        for d in reversed(deltas):
+            state = self._decode_links([(codec.RAW, state), (d.codec, self.fetch(d))], d, 1)
+            self.decoded.put(d, state)
+        return state
+
+    def _decode_links(
+        self, links: list[tuple[str, Buffer]], want: ChunkInfo, stored: int
+    ) -> memoryview:
+        """``links`` decoded and checked against ``want``'s checksum; ``stored``: how many
+        of them were read from storage (counted)."""
         t0 = time.perf_counter()
         out = codec.decode_chain(links, want.itemsize, want.raw_len, want.checksum)
         self.stats.decode_s += time.perf_counter() - t0
+        self.stats.links += stored
+        if self._decoded is not None:
+            self._decoded.decoded(stored)
         return out
 
     def decode_and_keep(self, c: ChunkInfo) -> Piece:
@@ -173,6 +321,13 @@ class ChainDecoder:
                 if sum(map(len, self._kept.values())) + len(out) <= self._keep_budget:
                     self._kept[resolved] = out
         return out
+
+
+def _stored(bottom: ChunkInfo) -> int:
+    """The stored links a chain's bottom decodes itself (a predicted copy with no residual
+    reads none; its master's chain counts apart)."""
+    cast = codec.split_cast(bottom.codec)
+    return 1 if cast is None or cast[1] != codec.REF else 0
 
 
 _EMPTY = xxhash.xxh3_128_digest(b"")
@@ -207,11 +362,19 @@ class ChainSource:
     """A checkpoint's tensor bytes decoded from storage, chunk by chunk along their chains,
     in the codec pool, a bounded number of bytes ahead of the consumer."""
 
-    def __init__(self, catalog: Catalog, store: BlobStore, pool: Executor, budget: Budget):
+    def __init__(
+        self,
+        catalog: Catalog,
+        store: BlobStore,
+        pool: Executor,
+        budget: Budget,
+        decoded: DecodedChunks | None = None,
+    ):
         self._catalog = catalog
         self._store = store
         self._pool = pool
         self._budget = budget
+        self.decoded = decoded or DecodedChunks(0)
 
     def stream(
         self, info: CheckpointRecord, tensors: list[TensorInfo], stats: DecodeStats | None = None
@@ -233,7 +396,9 @@ class ChainSource:
                     f"run {info.run!r} has no checkpoint at step {info.step}"
                 ) from None
             raise
-        decoder = ChainDecoder(self._store, closure, 2 * self._budget.bytes_in_flight, stats)
+        decoder = ChainDecoder(
+            self._store, closure, 2 * self._budget.bytes_in_flight, stats, self.decoded
+        )
         decoder.keep_masters(chunks)
         return self._decoded(decoder, chunks)
 
