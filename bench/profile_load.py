@@ -3,9 +3,11 @@
     .venv/bin/python bench/profile_load.py [--quick] [--run gpt-scratch-fp32]
         [--states /tmp/states.pt] [--py-spy PATH]
 
-One run of bench/models.py (9 checkpoints, one every 25 steps; ``--states`` keeps the trained
-states in a file and reuses them) is saved into the real service in a child process, with the
-bench's settings (one chain, re-rooted in the background after the last save). Then:
+The GPT of bench/models.py's from-scratch run with its AdamW state, 9 checkpoints 25 steps
+apart (random gradients by default, seconds; ``--trained``: the bench's real training,
+minutes; ``--states`` keeps the states in a file and reuses them), is saved into the real
+service in a child process, with the bench's settings (one chain, re-rooted in the
+background after the last save). Then:
 
 1. **In process, one thread** (the service's own modules on its data folder, the service
    stopped), for the deepest checkpoint: *resolve* (the catalog's checkpoint, tensors and
@@ -15,9 +17,11 @@ bench's settings (one chain, re-rooted in the background after the last save). T
 2. **In process, the codec pool** (2 threads): the whole checkpoint's ``ChainSource.stream``.
 3. **End to end over HTTP**, each after a service restart (cold: empty caches) and then again
    on the same replica (warm): ``client.load``, and the same GET read into buffers without
-   building tensors (the difference is the client's parse into tensors); ``latest`` (from the
-   base cache) likewise. ``--py-spy``: a py-spy profile of the service during the cold load
-   of the deep step (its top functions by own time).
+   building tensors; ``latest`` (from the base cache) likewise. The client's own work on
+   bytes received (checksums, tensors and the nested state) is timed apart, in process.
+   ``--py-spy``: a py-spy profile of the service during the cold load of the deep step
+   (its top functions by own time).
+4. **A sweep**: every step in order on a fresh replica (cold), then again (warm).
 
 Times are wall seconds (best of ``--repeats``) on a shared 2-core machine: compare the rows of
 one run with each other, not with another day's.
@@ -30,6 +34,7 @@ import collections
 import cProfile
 import gc
 import pstats
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,7 +52,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import models  # noqa: E402
 from ckptstore import CheckpointClient  # noqa: E402
-from ckptstore.transport import checkpoint_path, read_header, read_into  # noqa: E402
+from ckptstore.state import tensor_from_bytes, unflatten  # noqa: E402
+from ckptstore.transport import checkpoint_path, digest, read_header, read_into  # noqa: E402
 from ckptstore_core import codec, planes  # noqa: E402
 from ckptstore_core.pipeline import Budget  # noqa: E402
 from ckptstore_service.catalog import Catalog  # noqa: E402
@@ -90,9 +96,29 @@ def states(args: argparse.Namespace) -> list[tuple[int, Any]]:
         loaded: list[tuple[int, Any]] = torch.load(args.states, weights_only=False)
         return loaded
     size = models.SIZES["quick" if args.quick else "full"]
-    ckpts = models.RUNS[args.run](size, 9, 25, log).checkpoints
+    trained = models.RUNS[args.run] if args.trained else None
+    ckpts = trained(size, 9, 25, log).checkpoints if trained else synthetic(size)
     if args.states:
         torch.save(ckpts, args.states)
+    return ckpts
+
+
+def synthetic(size: models.Size) -> list[tuple[int, Any]]:
+    """The GPT of the bench's from-scratch run, its AdamW state and schedule after 9 x 25
+    steps of random gradients: the shapes, dtypes and optimizer dynamics of the real run in
+    seconds (training it takes minutes on a busy machine), without its loss curve."""
+    torch.manual_seed(1)
+    model = models.Transformer(size, causal=True, out=size.vocab, dropout=0.1)
+    opt = models.adamw(model, False, 0.1, lr=1e-3, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, models.warmup_cosine(25, 225))
+    ckpts = []
+    for step in range(1, 226):
+        for param in model.parameters():
+            param.grad = torch.randn_like(param) * 1e-2
+        opt.step()
+        sched.step()
+        if step % 25 == 0:
+            ckpts.append((step, models._snapshot(models._state(model, opt, sched, step))))
     return ckpts
 
 
@@ -174,7 +200,28 @@ def over_http(
             for spec in header.tensors:
                 read_into(response, np.empty(spec.nbytes, np.uint8).data, lambda n: None)
 
-    out: dict[str, float] = {"load_cold_s": 1e9, "get_cold_s": 1e9, "get_warm_s": 1e9}
+    out: dict[str, float] = {}
+    svc = svc_factory().start()
+    try:  # the client's own work on bytes already received, in this process
+        with (
+            CheckpointClient(svc.url, timeout=600) as client,
+            client.transport.stream("GET", checkpoint_path(run, step)) as response,
+        ):
+            header = read_header(response)
+            buffers = [np.empty(t.nbytes, np.uint8).data for t in header.tensors]
+            for buf in buffers:
+                read_into(response, buf, lambda n: None)
+    finally:
+        svc.stop()
+    out["client_checksums_s"] = best(repeats, lambda: [digest(b) for b in buffers])
+    specs = list(zip(header.tensors, buffers, strict=True))
+
+    def build() -> None:
+        tensors = {t.name: tensor_from_bytes(b, t.dtype, t.shape) for t, b in specs}
+        unflatten(header.metadata["skeleton"], tensors)
+
+    out["client_tensors_unflatten_s"] = best(repeats, build)
+    out.update({"load_cold_s": 1e9, "get_cold_s": 1e9, "get_warm_s": 1e9})
     out["load_warm_s"] = 1e9
     for _ in range(repeats):
         for kind in ("load", "get"):
@@ -220,7 +267,7 @@ def over_http(
                 for _ in range(3):
                     client.load(run, step)
                 log(f"  (py-spy: 3 loads in {time.perf_counter() - t0:.2f} s)")
-                rec.terminate()
+                rec.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
                 rec.wait()
                 summarize_spy(Path(f.name))
         finally:
@@ -250,6 +297,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--run", choices=list(models.RUNS), default="gpt-scratch-fp32")
+    p.add_argument("--trained", action="store_true", help="train the run (slow), not synthetic")
     p.add_argument("--states", type=Path, default=None, help="trained states kept here")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--py-spy", dest="spy", default=None, help="py-spy binary: profile too")
@@ -293,6 +341,24 @@ def main() -> None:
         lines = [x for f in logs for x in f.read_text().splitlines() if "loaded " in x]
         for line in lines[-2:]:
             log("  service: " + line.split("loaded ", 1)[1])
+
+    svc = Service(data_dir, e).start()
+    try:
+        with CheckpointClient(svc.url, timeout=600) as client:
+            for kind in ("cold", "warm"):
+                times = []
+                for c in listing:
+                    t0 = time.perf_counter()
+                    client.load(args.run, c.step)
+                    times.append(time.perf_counter() - t0)
+                log(
+                    f"sweep of every step, {kind}: {sum(times):.3f} s, "
+                    f"{len(times) * raw_mb / sum(times):.0f} MB/s; per step "
+                    + " ".join(f"{t * 1000:.0f}" for t in times)
+                    + " ms"
+                )
+    finally:
+        svc.stop()
 
 
 if __name__ == "__main__":

@@ -160,13 +160,15 @@ class ChainDecoder:
         keep_budget: int,
         stats: DecodeStats | None = None,
         decoded: DecodedChunks | None = None,
+        keep: bool = True,
     ) -> None:
         self.closure = closure
         self.stats = stats or DecodeStats()
         # chunks kept decoded across loads: chains start from their newest kept link, and
-        # every link decoded is kept (see DecodedChunks)
+        # (``keep``) every link decoded is kept (see DecodedChunks)
         self._decoded = decoded
         self.decoded = decoded if decoded is not None and decoded.budget else None
+        self._keep = keep
         self.reader = WindowReader(store, closure.values())
         # fp32 chunks that bf16/f16 chunks are predicted from, once decoded for their own
         # tensor: kept (within a byte budget) until the copy needs them, instead of decoding
@@ -243,36 +245,54 @@ class ChainDecoder:
 
     def decode(self, c: ChunkInfo) -> Piece:
         """The raw bytes of ``c``: its chain back to a self-contained chunk, or to a chunk
-        predicted from an fp32 master (decoded first, then cast), decoded forward, checked
-        against ``c``'s own checksum (a ref's is that of the bytes it refers to: a ref whose
-        base id points at another chunk must not pass for it). With decoded chunks kept, the
-        chain starts from its newest kept link and each link is checked and kept."""
+        predicted from an fp32 master (decoded first, then cast), or to its newest link kept
+        decoded, decoded forward, checked against ``c``'s own checksum (a ref's is that of
+        the bytes it refers to: a ref whose base id points at another chunk must not pass
+        for it)."""
         want = c
         deltas, bottom = self.chain(c)
         if self.decoded is None:
-            links = self._bottom(bottom) + [(d.codec, self.fetch(d)) for d in reversed(deltas)]
-            return self._decode_links(links, want, _stored(bottom) + len(deltas))
-        states = [*deltas, bottom]  # each link's own bytes, newest first
-        if states[0].checksum != want.checksum:
+            return self._apply(None, deltas, want, bottom)
+        top = deltas[0] if deltas else bottom
+        if top.checksum != want.checksum:
             raise CorruptData(
                 f"chunk checksum mismatch: the catalog's chunk {want.id} refers "
-                f"to chunk {states[0].id}, whose bytes differ"
+                f"to chunk {top.id}, whose bytes differ"
             )
-        kept = self.decoded.begin(states[0])
+        kept = self.decoded.begin(top) if self._keep else self.decoded.get(top)
         if kept is not None:
             self.stats.kept += 1
             return kept
         try:
-            for i, link in enumerate(states[1:], 1):
+            for i, link in enumerate([*deltas, bottom][1:], 1):
                 kept = self.decoded.get(link)
                 if kept is not None:
                     self.stats.kept += 1
-                    return self._forward(kept, deltas[:i])
+                    return self._apply(kept, deltas[:i], want, bottom)
+            return self._apply(None, deltas, want, bottom)
+        finally:
+            if self._keep:
+                self.decoded.end(top)
+
+    def _apply(
+        self, state: Piece | None, deltas: list[ChunkInfo], want: ChunkInfo, bottom: ChunkInfo
+    ) -> Piece:
+        """``deltas`` (newest first) applied, oldest first, to ``state`` (the bytes of the
+        link below them) or, if None, to what ``bottom`` decodes to. Kept (``self._keep``):
+        link by link, each result checked against its own chunk's checksum and kept; else
+        in one pass, the result checked against ``want``'s."""
+        if not (self._keep and self.decoded is not None):
+            first = self._bottom(bottom) if state is None else [(codec.RAW, state)]
+            links = first + [(d.codec, self.fetch(d)) for d in reversed(deltas)]
+            stored = len(deltas) + (_stored(bottom) if state is None else 0)
+            return self._decode_links(links, want, stored)
+        if state is None:
             state = self._decode_links(self._bottom(bottom), bottom, _stored(bottom))
             self.decoded.put(bottom, state)
-            return self._forward(state, deltas)
-        finally:
-            self.decoded.end(states[0])
+        for d in reversed(deltas):
+            state = self._decode_links([(codec.RAW, state), (d.codec, self.fetch(d))], d, 1)
+            self.decoded.put(d, state)
+        return state
 
     def _bottom(self, c: ChunkInfo) -> list[tuple[str, Buffer]]:
         """The first links of a chain resting on ``c``: ``c`` itself if it is self-contained;
@@ -290,15 +310,6 @@ class ChainDecoder:
         if cast[1] != codec.REF:
             links.append((cast[1], self.fetch(c)))
         return links
-
-    def _forward(self, state: Piece, deltas: list[ChunkInfo]) -> Piece:
-        """``state`` with ``deltas`` (newest first) applied, oldest first, each result
-        checked against its own chunk's checksum and kept."""
-        assert self.decoded is not None
-        for d in reversed(deltas):
-            state = self._decode_links([(codec.RAW, state), (d.codec, self.fetch(d))], d, 1)
-            self.decoded.put(d, state)
-        return state
 
     def _decode_links(
         self, links: list[tuple[str, Buffer]], want: ChunkInfo, stored: int
@@ -377,10 +388,16 @@ class ChainSource:
         self.decoded = decoded or DecodedChunks(0)
 
     def stream(
-        self, info: CheckpointRecord, tensors: list[TensorInfo], stats: DecodeStats | None = None
+        self,
+        info: CheckpointRecord,
+        tensors: list[TensorInfo],
+        stats: DecodeStats | None = None,
+        keep: bool = False,
     ) -> Iterator[Piece]:
         """The bytes of ``tensors`` (some or all of ``info``'s, in the order given), each chunk
-        verified against its checksum, the chunks checked to tile their tensors."""
+        verified against its checksum, the chunks checked to tile their tensors. Chains
+        start from the links kept decoded; ``keep``: what this decodes is kept too (a load;
+        not a base-cache fill, whose file serves the next loads, nor the verifier)."""
         order = {t.idx: i for i, t in enumerate(tensors)}
         own, closure = self._catalog.chunk_tree(info.id)
         chunks = sorted(
@@ -397,7 +414,7 @@ class ChainSource:
                 ) from None
             raise
         decoder = ChainDecoder(
-            self._store, closure, 2 * self._budget.bytes_in_flight, stats, self.decoded
+            self._store, closure, 2 * self._budget.bytes_in_flight, stats, self.decoded, keep
         )
         decoder.keep_masters(chunks)
         return self._decoded(decoder, chunks)
