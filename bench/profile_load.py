@@ -21,7 +21,10 @@ background after the last save). Then:
    bytes received (checksums, tensors and the nested state) is timed apart, in process.
    ``--py-spy``: a py-spy profile of the service during the cold load of the deep step
    (its top functions by own time).
-4. **A sweep**: every step in order on a fresh replica (cold), then again (warm).
+4. **A sweep**: every step in order on a fresh replica (cold), then again (warm), against
+   zstd + torch.load of each step; ``--against DIR`` interleaves the same sweeps served by
+   another checkout's code (before/after a change, in the same minutes: the ratios survive
+   a busy machine). ``--sweeps-only``: only this.
 
 Times are wall seconds (best of ``--repeats``) on a shared 2-core machine: compare the rows of
 one run with each other, not with another day's.
@@ -33,6 +36,7 @@ import argparse
 import collections
 import cProfile
 import gc
+import io
 import pstats
 import signal
 import subprocess
@@ -46,6 +50,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import zstandard
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -293,6 +298,66 @@ def summarize_spy(path: Path) -> None:
         log(f"    {100 * n / total:5.1f}%  {frame}")
 
 
+def sweep(svc: Service, run: str, steps: list[int]) -> tuple[list[float], list[float]]:
+    """Each step's load time in order on ``svc`` (started fresh: cold), then again (warm)."""
+    out: tuple[list[float], list[float]] = ([], [])
+    try:
+        with CheckpointClient(svc.start().url, timeout=600) as client:
+            for times in out:
+                for step in steps:
+                    gc.collect()
+                    t0 = time.perf_counter()
+                    client.load(run, step)
+                    times.append(time.perf_counter() - t0)
+    finally:
+        svc.stop()
+    return out
+
+
+def sweeps(
+    args: argparse.Namespace,
+    ckpts: list[tuple[int, Any]],
+    listing: list[Any],
+    data_dir: Path,
+    e: dict[str, str],
+) -> None:
+    """Every step in order, cold then warm, best of ``--repeats``; interleaved with the same
+    sweep served by the checkout ``--against`` (its core and service on the service's
+    path), and with zstd + torch.load of the same states."""
+    steps = [c.step for c in listing]
+    sides = {"this": e}
+    if args.against:
+        path = ":".join(str(args.against / d) for d in ("core", "client", "service"))
+        sides = {"against": {**e, "PYTHONPATH": path}, **sides}
+    best_s: dict[str, list[list[float]]] = {}
+    for _ in range(args.repeats):
+        for side, env_side in sides.items():
+            cold, warm = sweep(Service(data_dir, env_side), args.run, steps)
+            for kind, times in (("cold", cold), ("warm", warm)):
+                prev = best_s.get(f"{side} {kind}", [[1e9] * len(steps)])[0]
+                best_s[f"{side} {kind}"] = [[min(a, b) for a, b in zip(prev, times, strict=True)]]
+    cctx, dctx = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
+    zstd = []
+    for _, state in ckpts:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        blob = cctx.compress(buf.getbuffer())
+        zstd.append(
+            best(
+                args.repeats,
+                lambda b=blob: torch.load(io.BytesIO(dctx.decompress(b)), weights_only=False),
+            )
+        )
+    best_s["zstd + torch.load"] = [zstd]
+    raw = [c.raw_bytes / MB for c in listing]
+    log("every step in order (ms; MB/s over the sweep):")
+    for name, (times,) in best_s.items():
+        log(
+            f"  {name:<18} {sum(raw) / sum(times):6.0f} MB/s  "
+            + " ".join(f"{t * 1000:5.0f}" for t in times)
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     p.add_argument("--quick", action="store_true")
@@ -301,6 +366,10 @@ def main() -> None:
     p.add_argument("--states", type=Path, default=None, help="trained states kept here")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--py-spy", dest="spy", default=None, help="py-spy binary: profile too")
+    p.add_argument(
+        "--against", type=Path, default=None, help="a checkout to compare the sweeps with"
+    )
+    p.add_argument("--sweeps-only", action="store_true", help="skip the stage breakdown")
     args = p.parse_args()
     torch.set_num_threads(2)
     ckpts = states(args)
@@ -322,6 +391,9 @@ def main() -> None:
         f"{args.run}: {len(listing)} checkpoints of {raw_mb:.1f} MB; chain depths "
         + " ".join(f"{c.step}:{c.chain_depth}" for c in listing)
     )
+    if args.sweeps_only:
+        sweeps(args, ckpts, listing, data_dir, e)
+        return
     log(f"deep step {deep.step} (depth {deep.chain_depth}), in process:")
     stages = in_process(data_dir, args.run, deep.step, args.repeats)
     for k, v in stages.items():
@@ -342,23 +414,7 @@ def main() -> None:
         for line in lines[-2:]:
             log("  service: " + line.split("loaded ", 1)[1])
 
-    svc = Service(data_dir, e).start()
-    try:
-        with CheckpointClient(svc.url, timeout=600) as client:
-            for kind in ("cold", "warm"):
-                times = []
-                for c in listing:
-                    t0 = time.perf_counter()
-                    client.load(args.run, c.step)
-                    times.append(time.perf_counter() - t0)
-                log(
-                    f"sweep of every step, {kind}: {sum(times):.3f} s, "
-                    f"{len(times) * raw_mb / sum(times):.0f} MB/s; per step "
-                    + " ".join(f"{t * 1000:.0f}" for t in times)
-                    + " ms"
-                )
-    finally:
-        svc.stop()
+    sweeps(args, ckpts, listing, data_dir, e)
 
 
 if __name__ == "__main__":
