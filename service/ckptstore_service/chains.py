@@ -324,6 +324,16 @@ class ChainDecoder:
             self._decoded.decoded(stored)
         return out
 
+    def kept(self, c: ChunkInfo) -> Piece | None:
+        """``c``'s bytes if they are kept decoded (served without decoding), else None."""
+        if self.decoded is None:
+            return None
+        top = self.resolve(c)
+        kept = self.decoded.get(top) if top.checksum == c.checksum else None
+        if kept is not None:
+            self.stats.kept += 1
+        return kept
+
     def decode_and_keep(self, c: ChunkInfo) -> Piece:
         out = self.decode(c)
         resolved = self.resolve(c).id
@@ -342,7 +352,9 @@ def _stored(bottom: ChunkInfo) -> int:
 
 
 _EMPTY = xxhash.xxh3_128_digest(b"")
-_MAX_AHEAD = 256  # chunks decoded ahead, whatever their size (each costs a future)
+_MAX_AHEAD = 256  # jobs decoded ahead, whatever their size (each costs a future)
+_SMALL = 64 << 10  # chunks decoded together in one job of the pool...
+_BATCH_BYTES = 1 << 20  # ...up to this many bytes
 
 
 def check_empty(tensors: list[TensorInfo]) -> None:
@@ -424,18 +436,18 @@ class ChainSource:
         # chunks: a state has hundreds of small tensors, and a count that keeps the codec
         # threads busy on 4 MiB chunks lets them run dry on small ones while the sender works.
         budget = self._budget.bytes_in_flight
-        pending: deque[tuple[int, Future[Piece]]] = deque()
+        pending: deque[tuple[int, Future[list[Piece]]]] = deque()
         queued = 0
         try:
-            for c in chunks:
-                pending.append((c.raw_len, self._pool.submit(decoder.decode_and_keep, c)))
-                queued += c.raw_len
+            for size, job in _jobs(decoder, chunks, self._pool):
+                pending.append((size, job))
+                queued += size
                 while queued > budget or len(pending) > _MAX_AHEAD:
                     size, fut = pending.popleft()
                     queued -= size
-                    yield fut.result()
+                    yield from fut.result()
             while pending:
-                yield pending.popleft()[1].result()
+                yield from pending.popleft()[1].result()
         finally:
             for _, fut in pending:
                 fut.cancel()
@@ -450,6 +462,41 @@ class ChainSource:
                     out.write(data)
         finally:
             os.close(fd)
+
+
+def _jobs(
+    decoder: ChainDecoder, chunks: list[ChunkInfo], pool: Executor
+) -> Iterator[tuple[int, Future[list[Piece]]]]:
+    """The chunks' decodes, in order, as (bytes, future of their pieces): a chunk kept
+    decoded is served at once, without a hop through the pool; runs of small chunks (a
+    state's biases and norms, most of its chunks by count) go to the pool together, up to
+    1 MiB a job: one hand-off each instead of one per chunk."""
+    batch: list[ChunkInfo] = []
+    size = 0
+    for c in chunks:
+        kept = decoder.kept(c)
+        if kept is None and c.raw_len < _SMALL:
+            batch.append(c)
+            size += c.raw_len
+            if size >= _BATCH_BYTES:
+                yield size, pool.submit(_decode_all, decoder, batch)
+                batch, size = [], 0
+            continue
+        if batch:
+            yield size, pool.submit(_decode_all, decoder, batch)
+            batch, size = [], 0
+        if kept is None:
+            yield c.raw_len, pool.submit(_decode_all, decoder, [c])
+        else:
+            done: Future[list[Piece]] = Future()
+            done.set_result([kept])
+            yield c.raw_len, done
+    if batch:
+        yield size, pool.submit(_decode_all, decoder, batch)
+
+
+def _decode_all(decoder: ChainDecoder, chunks: list[ChunkInfo]) -> list[Piece]:
+    return [decoder.decode_and_keep(c) for c in chunks]
 
 
 @dataclass(frozen=True, eq=False)
