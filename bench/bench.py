@@ -20,12 +20,15 @@ ckptstore
     link: the chain's full checkpoint moves to its middle, once the run has gone 1 s
     without a save, so the first checkpoint ends 4-5 deep and the halfway one is the root);
     the bench waits for it, reports its time apart, and measures the loads and the stored
-    bytes after it. Peak service memory:
+    bytes after it. ``load every step``: each checkpoint loaded in order on a fresh replica
+    (cold: a restart wipes the base cache and the decoded chunks kept), then the same loop
+    again (warm), best of ``--repeats`` such sweeps (each step bit-exact). Peak service memory:
     VmHWM minus VmRSS before the first save (peak reset just before); likewise for the cold
     load.
 torch.save+zstd3
     ``torch.save`` into a BytesIO, then zstd level 3 (one thread; and a 2-thread variant);
-    load = decompress + ``torch.load(weights_only=False)``. Kept in memory: no disk writes.
+    load = decompress + ``torch.load(weights_only=False)``, of every checkpoint (the last one's
+    is "latest" and "deep"). Kept in memory: no disk writes.
 zipnn
     zipnn 0.5.4 per floating tensor of at least 1 KiB (byte mode, dtype given; it mutates its
     input, so it gets a copy, which is timed as the tensor-to-bytes step); everything else
