@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,6 +32,7 @@ from ckptstore_core.pipeline.sink import Buffer
 __all__ = [
     "ChainDecoder",
     "DecodeStats",
+    "DecodedChunks",
     "Piece",
     "RangeReader",
     "WindowReader",
@@ -57,6 +58,101 @@ class DecodeStats:
     source: str = "cache"
     fetch_s: float = 0.0  # summed over the codec threads
     decode_s: float = 0.0
+    links: int = 0  # stored links decoded (a chunk kept decoded costs none)
+    kept: int = 0  # chunks served from, or started from, the decoded chunks kept
+
+
+class DecodedChunks:
+    """Chunks decoded from storage, kept in memory for the loads that follow: least recently
+    used first out, within ``budget`` bytes (0 keeps nothing).
+
+    A load deep in a chain decodes every link of every chunk's chain; the loads of the
+    steps around it (an evaluation sweep, a loop over a run's steps, a job resumed from the
+    step it just evaluated) would decode the same links again. With each link's bytes kept
+    as it is decoded (verified against its own checksum), a chain is decoded from its newest
+    kept link, and a sweep over a run decodes each link once.
+
+    Entries are keyed by chunk id and hold the checksum they were verified against: a chunk
+    row keeps its id and raw bytes through re-roots and re-bases, and one whose bytes
+    changed (a lossy re-encoding) or whose id was reused no longer matches its entry.
+    ``on_decoded(links)`` counts the stored links decoded (the metrics' counter).
+    """
+
+    def __init__(self, budget: int, on_decoded: Callable[[int], None] | None = None) -> None:
+        self.budget = budget
+        self._entries: OrderedDict[int, tuple[bytes, memoryview]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._flights: dict[int, threading.Event] = {}  # chunk ids being decoded
+        self._on_decoded = on_decoded
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def get(self, c: ChunkInfo) -> memoryview | None:
+        """``c``'s bytes if they are kept (read-only), else None."""
+        with self._lock:
+            return self._get(c)
+
+    def begin(self, c: ChunkInfo) -> memoryview | None:
+        """``c``'s bytes if they are kept; else None, and the caller decodes ``c``, keeps it
+        and calls :meth:`end`: meanwhile other threads' ``begin(c)`` wait for it rather
+        than decode it too (the codec threads of one load share fp32 masters and refs)."""
+        while True:
+            with self._lock:
+                kept = self._get(c)
+                if kept is not None:
+                    return kept
+                flight = self._flights.get(c.id)
+                if flight is None:
+                    self._flights[c.id] = threading.Event()
+                    return None
+            flight.wait()  # then kept, or not (it failed, or it did not fit): look again
+
+    def end(self, c: ChunkInfo) -> None:
+        with self._lock:
+            flight = self._flights.pop(c.id, None)
+        if flight is not None:
+            flight.set()
+
+    def put(self, c: ChunkInfo, data: Piece) -> None:
+        """Keep ``data``, the verified bytes of ``c`` (never written to again), evicting the
+        least recently used entries to stay within the budget."""
+        size = len(data)
+        if not 0 < size <= self.budget:
+            return
+        view = memoryview(data).toreadonly()
+        with self._lock:
+            if c.id in self._entries:
+                self._drop(c.id)
+            self._entries[c.id] = (c.checksum, view)
+            self._bytes += size
+            while self._bytes > self.budget:
+                self._drop(next(iter(self._entries)))
+
+    def decoded(self, links: int) -> None:
+        if self._on_decoded is not None and links:
+            self._on_decoded(links)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def _get(self, c: ChunkInfo) -> memoryview | None:
+        entry = self._entries.get(c.id)
+        if entry is None:
+            return None
+        if entry[0] != c.checksum or len(entry[1]) != c.raw_len:
+            self._drop(c.id)
+            return None
+        self._entries.move_to_end(c.id)
+        return entry[1]
+
+    def _drop(self, chunk_id: int) -> None:
+        _, view = self._entries.pop(chunk_id)
+        self._bytes -= len(view)
 
 
 class ChainDecoder:
@@ -71,9 +167,16 @@ class ChainDecoder:
         closure: dict[int, ChunkInfo],
         keep_budget: int,
         stats: DecodeStats | None = None,
+        decoded: DecodedChunks | None = None,
+        keep: bool = True,
     ) -> None:
         self.closure = closure
         self.stats = stats or DecodeStats()
+        # chunks kept decoded across loads: chains start from their newest kept link, and
+        # (``keep``) every link decoded is kept (see DecodedChunks)
+        self._decoded = decoded
+        self.decoded = decoded if decoded is not None and decoded.budget else None
+        self._keep = keep
         self.reader = WindowReader(store, closure.values())
         # fp32 chunks that bf16/f16 chunks are predicted from, once decoded for their own
         # tensor: kept (within a byte budget) until the copy needs them, instead of decoding
@@ -150,28 +253,94 @@ class ChainDecoder:
 
     def decode(self, c: ChunkInfo) -> Piece:
         """The raw bytes of ``c``: its chain back to a self-contained chunk, or to a chunk
-        predicted from an fp32 master (decoded first, then cast), decoded forward, checked
-        against ``c``'s own checksum (a ref's is that of the bytes it refers to: a ref whose
-        base id points at another chunk must not pass for it)."""
+        predicted from an fp32 master (decoded first, then cast), or to its newest link kept
+        decoded, decoded forward, checked against ``c``'s own checksum (a ref's is that of
+        the bytes it refers to: a ref whose base id points at another chunk must not pass
+        for it)."""
         want = c
-        deltas, c = self.chain(c)
+        deltas, bottom = self.chain(c)
+        if self.decoded is None:
+            return self._apply(None, deltas, want, bottom)
+        top = deltas[0] if deltas else bottom
+        if top.checksum != want.checksum:
+            raise CorruptData(
+                f"chunk checksum mismatch: the catalog's chunk {want.id} refers "
+                f"to chunk {top.id}, whose bytes differ"
+            )
+        kept = self.decoded.begin(top) if self._keep else self.decoded.get(top)
+        if kept is not None:
+            self.stats.kept += 1
+            return kept
+        try:
+            for i, link in enumerate([*deltas, bottom][1:], 1):
+                kept = self.decoded.get(link)
+                if kept is not None:
+                    self.stats.kept += 1
+                    return self._apply(kept, deltas[:i], want, bottom)
+            return self._apply(None, deltas, want, bottom)
+        finally:
+            if self._keep:
+                self.decoded.end(top)
+
+    def _apply(
+        self, state: Piece | None, deltas: list[ChunkInfo], want: ChunkInfo, bottom: ChunkInfo
+    ) -> Piece:
+        """``deltas`` (newest first) applied, oldest first, to ``state`` (the bytes of the
+        link below them) or, if None, to what ``bottom`` decodes to. Kept (``self._keep``):
+        link by link, each result checked against its own chunk's checksum and kept; else
+        in one pass, the result checked against ``want``'s."""
+        if not (self._keep and self.decoded is not None):
+            first = self._bottom(bottom) if state is None else [(codec.RAW, state)]
+            links = first + [(d.codec, self.fetch(d)) for d in reversed(deltas)]
+            stored = len(deltas) + (_stored(bottom) if state is None else 0)
+            return self._decode_links(links, want, stored)
+        if state is None:
+            state = self._decode_links(self._bottom(bottom), bottom, _stored(bottom))
+            self.decoded.put(bottom, state)
+        for d in reversed(deltas):
+            state = self._decode_links([(codec.RAW, state), (d.codec, self.fetch(d))], d, 1)
+            self.decoded.put(d, state)
+        return state
+
+    def _bottom(self, c: ChunkInfo) -> list[tuple[str, Buffer]]:
+        """The first links of a chain resting on ``c``: ``c`` itself if it is self-contained;
+        for a copy predicted from an fp32 master, the master's cast (decoded first), then
+        ``c``'s own residual if it has one."""
         cast = codec.split_cast(c.codec)
         if cast is None:
-            links = [(c.codec, self.fetch(c))]
-        else:
-            master = self.master_of(c)
-            with self._kept_lock:
-                source = self._kept.pop(master.id, None)
-            if source is None:
-                source = self.decode(master)  # 4-byte items: not predicted, no recursion
-            links = [(codec.RAW, codec.cast_prediction(source, cast[0]))]
-            if cast[1] != codec.REF:
-                links.append((cast[1], self.fetch(c)))
-        links += [(d.codec, self.fetch(d)) for d in reversed(deltas)]
+            return [(c.codec, self.fetch(c))]
+        master = self.master_of(c)
+        with self._kept_lock:
+            source = self._kept.pop(master.id, None)
+        if source is None:
+            source = self.decode(master)  # 4-byte items: not predicted, no recursion
+        links: list[tuple[str, Buffer]] = [(codec.RAW, codec.cast_prediction(source, cast[0]))]
+        if cast[1] != codec.REF:
+            links.append((cast[1], self.fetch(c)))
+        return links
+
+    def _decode_links(
+        self, links: list[tuple[str, Buffer]], want: ChunkInfo, stored: int
+    ) -> memoryview:
+        """``links`` decoded and checked against ``want``'s checksum; ``stored``: how many
+        of them were read from storage (counted)."""
         t0 = time.perf_counter()
         out = codec.decode_chain(links, want.itemsize, want.raw_len, want.checksum)
         self.stats.decode_s += time.perf_counter() - t0
+        self.stats.links += stored
+        if self._decoded is not None:
+            self._decoded.decoded(stored)
         return out
+
+    def kept(self, c: ChunkInfo) -> Piece | None:
+        """``c``'s bytes if they are kept decoded (served without decoding), else None."""
+        if self.decoded is None:
+            return None
+        top = self.resolve(c)
+        kept = self.decoded.get(top) if top.checksum == c.checksum else None
+        if kept is not None:
+            self.stats.kept += 1
+        return kept
 
     def decode_and_keep(self, c: ChunkInfo) -> Piece:
         out = self.decode(c)
@@ -183,8 +352,17 @@ class ChainDecoder:
         return out
 
 
+def _stored(bottom: ChunkInfo) -> int:
+    """The stored links a chain's bottom decodes itself (a predicted copy with no residual
+    reads none; its master's chain counts apart)."""
+    cast = codec.split_cast(bottom.codec)
+    return 1 if cast is None or cast[1] != codec.REF else 0
+
+
 _EMPTY = xxhash.xxh3_128_digest(b"")
-_MAX_AHEAD = 256  # chunks decoded ahead, whatever their size (each costs a future)
+_MAX_AHEAD = 256  # jobs decoded ahead, whatever their size (each costs a future)
+_SMALL = 64 << 10  # chunks decoded together in one job of the pool...
+_BATCH_BYTES = 1 << 20  # ...up to this many bytes
 
 
 def check_empty(tensors: list[TensorInfo]) -> None:
@@ -273,22 +451,57 @@ def decoded_ahead(
     pool: Executor, decoder: ChainDecoder, chunks: Sequence[ChunkInfo], budget: int
 ) -> Iterator[Piece]:
     """The chunks' raw bytes, in order, decoded in ``pool`` at most ``budget`` bytes (and
-    256 chunks) ahead of the consumer; what is queued is cancelled when it stops."""
+    256 jobs) ahead of the consumer; what is queued is cancelled when it stops."""
     # Decoded chunks queued ahead of the one being sent, bounded in bytes rather than in
     # chunks: a state has hundreds of small tensors, and a count that keeps the codec
     # threads busy on 4 MiB chunks lets them run dry on small ones while the sender works.
-    pending: deque[tuple[int, Future[Piece]]] = deque()
+    pending: deque[tuple[int, Future[list[Piece]]]] = deque()
     queued = 0
     try:
-        for c in chunks:
-            pending.append((c.raw_len, pool.submit(decoder.decode_and_keep, c)))
-            queued += c.raw_len
+        for size, job in _jobs(decoder, chunks, pool):
+            pending.append((size, job))
+            queued += size
             while queued > budget or len(pending) > _MAX_AHEAD:
                 size, fut = pending.popleft()
                 queued -= size
-                yield fut.result()
+                yield from fut.result()
         while pending:
-            yield pending.popleft()[1].result()
+            yield from pending.popleft()[1].result()
     finally:
         for _, fut in pending:
             fut.cancel()
+
+
+def _jobs(
+    decoder: ChainDecoder, chunks: Sequence[ChunkInfo], pool: Executor
+) -> Iterator[tuple[int, Future[list[Piece]]]]:
+    """The chunks' decodes, in order, as (bytes, future of their pieces): a chunk kept
+    decoded is served at once, without a hop through the pool; runs of small chunks (a
+    state's biases and norms, most of its chunks by count) go to the pool together, up to
+    1 MiB a job: one hand-off each instead of one per chunk."""
+    batch: list[ChunkInfo] = []
+    size = 0
+    for c in chunks:
+        kept = decoder.kept(c)
+        if kept is None and c.raw_len < _SMALL:
+            batch.append(c)
+            size += c.raw_len
+            if size >= _BATCH_BYTES:
+                yield size, pool.submit(_decode_all, decoder, batch)
+                batch, size = [], 0
+            continue
+        if batch:
+            yield size, pool.submit(_decode_all, decoder, batch)
+            batch, size = [], 0
+        if kept is None:
+            yield c.raw_len, pool.submit(_decode_all, decoder, [c])
+        else:
+            done: Future[list[Piece]] = Future()
+            done.set_result([kept])
+            yield c.raw_len, done
+    if batch:
+        yield size, pool.submit(_decode_all, decoder, batch)
+
+
+def _decode_all(decoder: ChainDecoder, chunks: list[ChunkInfo]) -> list[Piece]:
+    return [decoder.decode_and_keep(c) for c in chunks]

@@ -14,6 +14,7 @@ import numpy as np
 
 from ckptstore_core.chain import (
     ChainDecoder,
+    DecodedChunks,
     DecodeStats,
     Piece,
     WindowReader,
@@ -30,6 +31,7 @@ __all__ = [
     "ChainDecoder",
     "ChainSource",
     "DecodeStats",
+    "DecodedChunks",
     "Piece",
     "StoredBases",
     "WindowReader",
@@ -42,17 +44,31 @@ class ChainSource:
     """A checkpoint's tensor bytes decoded from storage, chunk by chunk along their chains,
     in the codec pool, a bounded number of bytes ahead of the consumer."""
 
-    def __init__(self, catalog: Catalog, store: BlobStore, pool: Executor, budget: Budget):
+    def __init__(
+        self,
+        catalog: Catalog,
+        store: BlobStore,
+        pool: Executor,
+        budget: Budget,
+        decoded: DecodedChunks | None = None,
+    ):
         self._catalog = catalog
         self._store = store
         self._pool = pool
         self._budget = budget
+        self.decoded = decoded or DecodedChunks(0)
 
     def stream(
-        self, info: CheckpointRecord, tensors: list[TensorInfo], stats: DecodeStats | None = None
+        self,
+        info: CheckpointRecord,
+        tensors: list[TensorInfo],
+        stats: DecodeStats | None = None,
+        keep: bool = False,
     ) -> Iterator[Piece]:
         """The bytes of ``tensors`` (some or all of ``info``'s, in the order given), each chunk
-        verified against its checksum, the chunks checked to tile their tensors."""
+        verified against its checksum, the chunks checked to tile their tensors. Chains
+        start from the links kept decoded; ``keep``: what this decodes is kept too (a load;
+        not a base-cache fill, whose file serves the next loads, nor the verifier)."""
         order = {t.idx: i for i, t in enumerate(tensors)}
         own, closure = self._catalog.chunk_tree(info.id)
         chunks = sorted(
@@ -68,7 +84,9 @@ class ChainSource:
                     f"run {info.run!r} has no checkpoint at step {info.step}"
                 ) from None
             raise
-        decoder = ChainDecoder(self._store, closure, 2 * self._budget.bytes_in_flight, stats)
+        decoder = ChainDecoder(
+            self._store, closure, 2 * self._budget.bytes_in_flight, stats, self.decoded, keep
+        )
         decoder.keep_masters(chunks)
         return decoded_ahead(self._pool, decoder, chunks, self._budget.bytes_in_flight)
 

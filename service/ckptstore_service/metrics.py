@@ -129,6 +129,12 @@ class Metrics:
             ["path"],
             registry=r,
         )
+        self._links_decoded = Counter(
+            "ckptstore_chain_links_decoded",
+            "Stored chunk links decoded from storage by loads and base-cache fills (a link "
+            "kept decoded from an earlier load is not decoded again)",
+            registry=r,
+        )
         self._maintenance = Counter(
             "ckptstore_maintenance_runs",
             "Background maintenance runs by task (reroot, garbage, parts) and outcome",
@@ -242,6 +248,9 @@ class Metrics:
 
     def base_cache(self, path: CachePath, hit: bool) -> None:
         (self._cache_hits if hit else self._cache_misses).labels(path).inc()
+
+    def links_decoded(self, links: int) -> None:
+        self._links_decoded.inc(links)
 
     # -- maintenance ---------------------------------------------------------------------------
 

@@ -162,7 +162,7 @@ class Loader:
         if fd is not None:
             return _verified(tensors, _from_cache(fd, tensors))
         stats.source = "storage"
-        data = self._source.stream(info, tensors, stats)
+        data = self._source.stream(info, tensors, stats, keep=True)
         return self._cache.fill(info, data) if fill else self._cache.warm_after(info, data)
 
 

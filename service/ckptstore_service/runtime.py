@@ -18,7 +18,7 @@ from ckptstore_core.pipeline import Budget, ChunkPipeline
 from ckptstore_service.cache import BaseCache
 from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog
-from ckptstore_service.chains import ChainSource
+from ckptstore_service.chains import ChainSource, DecodedChunks
 from ckptstore_service.maintenance.garbage import collect_crashed_uploads
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.ranges import DirectLoads
@@ -100,7 +100,8 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.budget = Budget(self.workers, self.settings.chunk_bytes)
-        self.source = ChainSource(self.catalog, self.store, self.pool, self.budget)
+        decoded = DecodedChunks(self.settings.decoded_cache_bytes, self.metrics.links_decoded)
+        self.source = ChainSource(self.catalog, self.store, self.pool, self.budget, decoded)
         self.policy = policy = CachePolicy(self.cache, self.catalog, self.source, self.metrics)
         chunks = ChunkPipeline(
             self.pool, self.budget, self.settings.chunk_bytes, self.settings.zstd_level

@@ -41,6 +41,13 @@ class Settings(BaseSettings):
     cache_bytes: int = Field(
         default=8 * GiB, ge=0, description="Disk budget of the base cache (LRU by run)."
     )
+    decoded_cache_bytes: int = Field(
+        default=1 * GiB,
+        ge=0,
+        description="Memory budget of the chunks that loads decoded from storage, kept for "
+        "the loads that follow (LRU; 0: none): a sweep over a run's steps decodes each chain "
+        "link once.",
+    )
     auto_migrate: bool = Field(
         default=True,
         description="Upgrade the database schema at start-up "

@@ -1,0 +1,117 @@
+"""Loads of many steps decode each chain link once (issue 29): the chunks a load decodes
+from storage are kept decoded (``CKPTSTORE_DECODED_CACHE_BYTES``), and the next loads start
+their chains from the newest link kept. Counted by the service's
+``ckptstore_chain_links_decoded`` metric, not timed."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ckptstore import CheckpointClient
+from ckptstore_core import codec
+from support.serviceproc import Service, wait_idle
+from support.states import assert_same_state, training_states
+
+STEPS = 6
+ENV = {
+    "CKPTSTORE_KEYFRAME_INTERVAL": "16",  # one chain
+    "CKPTSTORE_MAX_CHAIN_DEPTH": "16",
+    "CKPTSTORE_CHUNK_BYTES": str(64 << 10),  # several chunks per tensor
+}
+
+
+@pytest.fixture(scope="module")
+def states() -> list[dict[str, Any]]:
+    return training_states(STEPS)
+
+
+def links_decoded(svc: Service) -> float:
+    text = httpx.get(f"{svc.url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "ckptstore_chain_links_decoded_total":
+                return sample.value
+    raise AssertionError("no ckptstore_chain_links_decoded_total sample")
+
+
+def stored_links(data_dir: Path) -> int:
+    """The chunk rows that hold stored bytes to decode: not refs, not bf16 copies that are
+    exactly their fp32 master's cast."""
+    con = sqlite3.connect(data_dir / "catalog.sqlite3")
+    try:
+        codecs = [row[0] for row in con.execute("SELECT codec FROM chunks")]
+    finally:
+        con.close()
+    return sum(
+        1
+        for name in codecs
+        if name != codec.REF and (codec.split_cast(name) or ("", ""))[1] != codec.REF
+    )
+
+
+def sweep(
+    make_service: Callable[..., Service],
+    data_dir: Path,
+    states: list[dict[str, Any]],
+    env: dict[str, str],
+) -> tuple[float, float]:
+    """Links decoded by a sweep over every step on a fresh replica, then by a second."""
+    svc = make_service({**ENV, **env}, data_dir)  # a restart: nothing cached
+    decoded = []
+    with CheckpointClient(svc.url) as client:
+        for _ in range(2):
+            before = links_decoded(svc)
+            for step, state in enumerate(states):
+                assert_same_state(state, client.load("run", step))
+            decoded.append(links_decoded(svc) - before)
+    svc.stop()
+    return decoded[0], decoded[1]
+
+
+def test_a_sweep_over_a_run_decodes_each_link_once(
+    make_service: Callable[..., Service], states: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    svc = make_service(ENV, data_dir)
+    with CheckpointClient(svc.url) as client:
+        infos = [client.save("run", step, state) for step, state in enumerate(states)]
+        wait_idle(svc.url)  # the re-root the last saves set off
+        assert max(c.chain_depth for c in client.list("run")) >= 2
+    assert infos[-1].chain_depth >= 2
+    svc.stop()
+    links = stored_links(data_dir)
+
+    cold, warm = sweep(make_service, data_dir, states, {})
+    assert cold == links  # every stored link once, in whichever order the chains need them
+    assert warm == 0  # all kept: the chunks come from memory
+
+    # without the decoded chunks kept, each load decodes its whole chains
+    cold_off, warm_off = sweep(
+        make_service, data_dir, states, {"CKPTSTORE_DECODED_CACHE_BYTES": "0"}
+    )
+    assert cold_off > links
+    assert warm_off > links
+
+
+def test_a_budget_smaller_than_a_checkpoint_still_loads_bit_exactly(
+    make_service: Callable[..., Service], states: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    svc = make_service(ENV, data_dir)
+    with CheckpointClient(svc.url) as client:
+        for step, state in enumerate(states):
+            client.save("run", step, state)
+        wait_idle(svc.url)
+    svc.stop()
+    # two chunks' worth: entries come and go while chains are decoded
+    cold, warm = sweep(
+        make_service, data_dir, states, {"CKPTSTORE_DECODED_CACHE_BYTES": str(128 << 10)}
+    )
+    assert cold > 0 and warm > 0
