@@ -198,16 +198,16 @@ def delete_checkpoint(
         shared_bytes=still,
     )
     log.info(
-        "deleted %s/%d: %d chunks of %d blobs re-based (%d bytes written), %d shared chunks "
-        "kept (%d bytes, %d of them moved to a blob of their own), in %.2fs",
+        "deleted %s/%d: %d chunks of %d blobs re-based, %d shared chunks kept (%d bytes, "
+        "%d moved to a blob of their own) (%d bytes written), in %.2fs",
         run,
         step,
         done.chunks,
         done.blobs,
-        written,
         len(shared),
         still,
         moved,
+        done.bytes_rewritten,
         done.seconds,
     )
     return done
