@@ -18,8 +18,8 @@ checkpoints of a LoRA-like state (a frozen 8 MB table that every checkpoint refe
 stored the frozen table), deleting its middle one, and a retention pass keeping the last
 checkpoint only (N - 1 deletes) while a thread keeps saving to the run. Prints each
 delete's time and bytes written (from the service's log), and the longest save during the
-pass. ``--service-path`` runs another checkout's service (its ``service`` folder) for a
-side-by-side comparison; ``--retention-max`` skips the pass on longer runs.
+pass. ``--service-path`` runs another checkout's service (``DIR/core:DIR/client:DIR/service``)
+for a side-by-side comparison; ``--retention-max`` skips the pass on longer runs.
 """
 
 from __future__ import annotations
@@ -206,7 +206,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--delete", type=int, default=5)
     parser.add_argument("--curve", default="", help="run lengths, e.g. 10,100,1000")
-    parser.add_argument("--service-path", default=None)
+    parser.add_argument(
+        "--service-path", default=None, help="PYTHONPATH entries of another checkout's service"
+    )
     parser.add_argument("--retention-max", type=int, default=1000)
     args = parser.parse_args()
     if args.curve:

@@ -1,8 +1,19 @@
 """Deleting a checkpoint, or a whole run, without changing a byte that any other checkpoint
 loads to (invariant 7).
 
-Any checkpoint X may go: the newest, the oldest, a keyframe, the middle of a chain. The
-chunks of other checkpoints whose base is one of X's (later deltas and refs; after a
+Any checkpoint X may go: the newest, the oldest, a keyframe, the middle of a chain.
+
+X's chunks that other checkpoints refer to (codec ``ref``: a frozen tensor stored once by X
+and referred to by every later checkpoint, a fork's first checkpoint) are *shared*: they
+are kept, rows of X's tombstone, and what refers to them (or rests on them) stays as it is
+(:meth:`Catalog.shared_chunks`). Where X's blob holds more than them, they are copied once
+into a blob of their own (at most X's stored bytes), X's blob going to the garbage table;
+a later delete refers to that blob as it is. The chunk rows are their reference counts: a
+shared chunk goes in the commit that removes the last chunk resting on it, and its blob
+once none of them is left (:mod:`ckptstore_service.catalog.lifecycle`). Re-basing them
+instead wrote a new blob for every checkpoint referring to them: O(run length) per delete.
+
+The other chunks of other checkpoints whose base is one of X's (later deltas; after a
 re-root, earlier ones too) are *re-based*: each is decoded, re-encoded against the first
 chunk on its base's chain that is not X's (or where there is none, or the chain runs into a
 bf16/f16 copy's fp32 master: the first chunk resting on the same chunk of X is stored whole
