@@ -145,13 +145,6 @@ def test_stopping_while_a_save_waits_on_a_frozen_store_is_bounded(
         svc.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 33: loads queue for the codec pool (one thread per core) and each one's S3 "
-    "deadline starts only when it runs: 8 loads on 2 cores answered after 1.3, 1.3, 2.3, "
-    "2.3, 3.3, 3.4, 4.4, 4.4 s (one load's bound: 1.3 s). A breaker that failed queued "
-    "operations at once also failed the first ones after a thaw (test_faults): not done",
-)
 def test_queued_loads_each_get_their_503_within_the_bound(
     tmp_path: Path, moto: tuple[str, int]
 ) -> None:
