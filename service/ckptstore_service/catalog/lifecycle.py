@@ -157,7 +157,7 @@ def commit_delete(db: Database, run: str, changes: DeleteChanges) -> list[str]:
         )
         blobs = [row.blob_key, *s.scalars(select(Part.blob_key).where(Part.checkpoint_id == x))]
         kept = changes.kept
-        _tombstone(s, [x], keep=kept is not None)
+        _tombstone(s, [x], keep=True)  # its chunks go through _prune: their bases may too
         if kept is not None:
             _keep(s, x, kept)
             blobs = [k for k in blobs if k != kept.blob_key]
