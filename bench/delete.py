@@ -9,16 +9,29 @@ AdamW-like moments, a frozen embedding), then deletes checkpoint ``--delete`` an
 the DELETE's wall time, the blobs it wrote in place of others and their bytes (the new blob
 files), the stored bytes before and after the collection, and that its neighbours still
 load bit-exactly.
+
+    .venv/bin/python bench/delete.py --curve 10,100,1000 [--service-path DIR]
+
+The cost curve against run length (docs/lifecycle.md): for each length N, a run of N
+checkpoints of a LoRA-like state (a frozen 8 MB table that every checkpoint refers to, a
+1 MB weight and its moment that change), then: deleting its first checkpoint (the one that
+stored the frozen table), deleting its middle one, and a retention pass keeping the last
+checkpoint only (N - 1 deletes) while a thread keeps saving to the run. Prints each
+delete's time and bytes written (from the service's log), and the longest save during the
+pass. ``--service-path`` runs another checkout's service (``DIR/core:DIR/client:DIR/service``)
+for a side-by-side comparison; ``--retention-max`` skips the pass on longer runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -65,7 +78,9 @@ def _wait_idle(url: str) -> None:
         time.sleep(0.05)
 
 
-def _serve(tmp: str) -> tuple[subprocess.Popen[bytes], str]:
+def _serve(
+    tmp: str, service_path: str | None = None, log: Path | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     env = {
         **os.environ,
@@ -74,8 +89,11 @@ def _serve(tmp: str) -> tuple[subprocess.Popen[bytes], str]:
         "CKPTSTORE_GARBAGE_GRACE_S": "0",
         "CKPTSTORE_REROOT_QUIET_S": "0",
     }
+    if service_path:
+        env["PYTHONPATH"] = os.pathsep.join([service_path, env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "ckptstore_service.cli", "serve", "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = subprocess.DEVNULL if log is None else log.open("ab")
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
@@ -86,12 +104,117 @@ def _serve(tmp: str) -> tuple[subprocess.Popen[bytes], str]:
     return proc, url
 
 
+_DELETED = re.compile(r"deleted (\S+)/(\d+): .*\((\d+) bytes written\), in ([\d.]+)s")
+
+
+def _deletes(log: Path) -> list[tuple[int, int, float]]:
+    """``(step, bytes written, seconds)`` of every delete the service logged."""
+    return [(int(m[2]), int(m[3]), float(m[4])) for m in _DELETED.finditer(log.read_text("utf-8"))]
+
+
+def _lora(step: int) -> dict[str, torch.Tensor]:
+    """A LoRA-like state at ``step``: a frozen 8 MB table, a 1 MB weight and its moment."""
+    g = torch.Generator().manual_seed(step)
+    frozen = torch.randn(2 << 20, generator=torch.Generator().manual_seed(12345))
+    # the weight moves a little from one checkpoint to the next (deltas pay), the moment
+    # does not (Adam's first moment gains nothing from a delta)
+    w = torch.randn(256 << 10, generator=torch.Generator().manual_seed(1))
+    w += 1e-4 * torch.randn(256 << 10, generator=g)
+    m = 1e-3 * torch.randn(256 << 10, generator=g)
+    return {"frozen": frozen, "lora.w": w, "lora.m": m}
+
+
+def _curve_point(n: int, service_path: str | None, retention: bool) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "service.log"
+        proc, url = _serve(tmp, service_path, log)
+        try:
+            client = CheckpointClient(url)
+            t0 = time.perf_counter()
+            for step in range(n):
+                client.save("lora", step, _lora(step))
+            saving = time.perf_counter() - t0
+            _wait_idle(url)
+            stored = sum(i.stored_bytes for i in client.list("lora"))
+            print(f"N={n}: saved in {saving:.1f} s, {stored / 1e6:.1f} MB stored", flush=True)
+            for gone in (0, n // 2):
+                x = {i.step: i for i in client.list("lora")}[gone]
+                client.delete("lora", gone)
+                _, written, took = _deletes(log)[-1]
+                print(
+                    f"  delete step {gone} ({x.stored_bytes / 1e6:.2f} MB stored): "
+                    f"{took:.2f} s, {written / 1e6:.2f} MB written",
+                    flush=True,
+                )
+            for step in (1, n - 1):
+                got = client.load("lora", step)
+                want = _lora(step)
+                assert all(torch.equal(got[k], want[k]) for k in want), step
+            if retention:
+                _retention_pass(client, url, log, n)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+def _retention_pass(client: CheckpointClient, url: str, log: Path, n: int) -> None:
+    """keep_last=1 over the run (the N - 2 checkpoints left after the deletes above go; and
+    those saved meanwhile but the newest), a thread saving to it meanwhile: the longest
+    save."""
+    before = len(_deletes(log))
+    waits: list[float] = []
+    done = threading.Event()
+
+    def saver() -> None:
+        step = n
+        while not done.wait(0.25):  # a save every quarter second or so
+            t = time.perf_counter()
+            client.save("lora", step, _lora(step))
+            waits.append(time.perf_counter() - t)
+            step += 1
+
+    t0 = time.perf_counter()
+    client.set_retention("lora", keep_last=1)
+    thread = threading.Thread(target=saver)
+    thread.start()
+    try:
+        while client.list("lora")[0].step < n - 1:  # the N - 1 it had are gone
+            time.sleep(0.2)
+    finally:
+        done.set()
+        thread.join()
+    _wait_idle(url)
+    took = time.perf_counter() - t0
+    deletes = _deletes(log)[before:]
+    written = [w for _, w, _ in deletes]
+    seconds = [t for _, _, t in deletes]
+    latest = client.list("lora")[-1]
+    got = client.load("lora", latest.step)
+    assert all(torch.equal(got[k], v) for k, v in _lora(latest.step).items())
+    print(
+        f"  retention keep_last=1: {len(deletes)} deletes in {took:.1f} s, "
+        f"{sum(written) / 1e6:.1f} MB written ({max(written, default=0) / 1e6:.2f} MB and "
+        f"{max(seconds, default=0):.2f} s at most per delete); {len(waits)} saves meanwhile, "
+        f"the longest {max(waits, default=0):.2f} s",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=64)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--delete", type=int, default=5)
+    parser.add_argument("--curve", default="", help="run lengths, e.g. 10,100,1000")
+    parser.add_argument(
+        "--service-path", default=None, help="PYTHONPATH entries of another checkout's service"
+    )
+    parser.add_argument("--retention-max", type=int, default=1000)
     args = parser.parse_args()
+    if args.curve:
+        for n in (int(x) for x in args.curve.split(",")):
+            _curve_point(n, args.service_path, n <= args.retention_max)
+        return
     states = _states(args.mb, args.steps)
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = _serve(tmp)

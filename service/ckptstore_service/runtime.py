@@ -28,6 +28,7 @@ from ckptstore_service.save.direct import DirectSaver
 from ckptstore_service.save.parts import PartSaver
 from ckptstore_service.settings import Settings
 from ckptstore_service.storage import BlobStore, S3Timeouts, open_blob_store
+from ckptstore_service.storage.queued import QueuedPool
 
 __all__ = ["Runtime"]
 
@@ -157,7 +158,8 @@ class Runtime:
         )
         cache = BaseCache(settings.resolved_cache_dir(), settings.cache_bytes)
         workers = settings.workers or os.cpu_count() or 2
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptstore-codec")
+        # a job's wait for a codec thread counts against its first S3 operation's deadline
+        pool = QueuedPool(workers, thread_name_prefix="ckptstore-codec")
         runtime = cls(settings, catalog, store, cache, pool, workers, metrics or Metrics())
         collect_crashed_uploads(catalog, store, settings.incomplete_upload_ttl_s)
         planes.warm_up()  # compile the codec kernels (or load them) before the first request

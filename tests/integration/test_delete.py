@@ -30,7 +30,14 @@ from ckptstore_service.maintenance import RerootPolicy
 from ckptstore_service.maintenance.delete import delete_checkpoint
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
-from support.blobs import blob_files, catalog_blobs, check_store, collect_all, garbage_blobs
+from support.blobs import (
+    blob_files,
+    catalog_blobs,
+    check_store,
+    collect_all,
+    garbage_blobs,
+    named_blobs,
+)
 from support.parts import commit, save_in_parts, shards, tensors_of
 from support.s3server import s3_store
 from support.serviceproc import Service, wait_idle
@@ -397,7 +404,8 @@ def test_delete_on_postgres_and_s3(
     states: list[dict[str, Any]],
 ) -> None:
     """The production backends: blobs rewritten on S3 from S3, and afterwards the bucket
-    holds exactly the blobs the catalog names."""
+    holds exactly the blobs the catalog names (step 0's shared chunks, the frozen
+    embedding's, in a blob of their own among them)."""
     env = {**backends, **{k: v for k, v in ENV.items() if k != "CKPTSTORE_CHUNK_BYTES"}}
     svc = make_service(env=env)
     client = CheckpointClient(svc.url)
@@ -411,10 +419,12 @@ def test_delete_on_postgres_and_s3(
     wait_idle(svc.url)
     catalog = Catalog(backends["CKPTSTORE_DATABASE_URL"])
     try:
-        keys = {i.blob_key for i in catalog.list_checkpoints("s3")}
+        listed = {i.blob_key for i in catalog.list_checkpoints("s3")}
         assert not catalog.garbage(None, datetime.now(UTC) + timedelta(days=1))
     finally:
         catalog.close()
+    keys = named_blobs(backends["CKPTSTORE_DATABASE_URL"])
+    assert len(keys - listed) == 1  # step 0's shared chunks
     store = s3_store(backends)
     assert set(store.iter_keys("runs/s3/")) == keys
 

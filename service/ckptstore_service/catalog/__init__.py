@@ -41,7 +41,7 @@ from ckptstore_service.catalog import (
     uploads,
 )
 from ckptstore_service.catalog.db import DEFAULT_TIMEOUT_S, Database, shown_url
-from ckptstore_service.catalog.lifecycle import DeleteChanges, PartBlob
+from ckptstore_service.catalog.lifecycle import DeleteChanges, KeptChunks, PartBlob
 from ckptstore_service.catalog.locks import DEFAULT_LEASE_S, Lease, Purpose, open_run_locks
 from ckptstore_service.catalog.parts import PartRecord
 from ckptstore_service.catalog.records import (
@@ -61,6 +61,7 @@ __all__ = [
     "ChunkInfo",
     "ChunkUpdate",
     "DeleteChanges",
+    "KeptChunks",
     "Lease",
     "NewChunk",
     "PartBlob",
@@ -276,9 +277,12 @@ class Catalog:
     def list_checkpoints(self, run: str) -> list[CheckpointRecord]:
         return checkpoints.list_checkpoints(self._db, run)
 
-    def records_by_id(self, ids: Collection[int]) -> dict[int, CheckpointRecord]:
-        """The committed checkpoints ``ids``, of any run, by id."""
-        return checkpoints.records_by_id(self._db, ids)
+    def records_by_id(
+        self, ids: Collection[int], *, shared: bool = False
+    ) -> dict[int, CheckpointRecord]:
+        """The committed checkpoints ``ids``, of any run, by id (with ``shared``: the deleted
+        ones keeping shared chunks too)."""
+        return checkpoints.records_by_id(self._db, ids, shared=shared)
 
     def list_runs(self, name: str | None = None) -> list[RunInfo]:
         """Every run with a committed checkpoint (or only run ``name``), summed."""
@@ -360,6 +364,14 @@ class Catalog:
     def descendants(self, ids: Collection[int]) -> list[ChunkInfo]:
         """Every chunk whose chain passes through one of the chunks ``ids``."""
         return graph.descendants(self._db, ids)
+
+    def shared_chunks(self, checkpoint_id: int) -> set[int]:
+        """The chunks of the checkpoint that its delete keeps (:func:`.graph.shared_chunks`)."""
+        return graph.shared_chunks(self._db, checkpoint_id)
+
+    def sharing(self, run: str) -> set[int]:
+        """The run's deleted checkpoints that keep shared chunks (:func:`.graph.sharing`)."""
+        return graph.sharing(self._db, run)
 
     def dependents(self, checkpoint_id: int) -> list[ChunkInfo]:
         """The chunks of other checkpoints whose base is one of this checkpoint's chunks."""

@@ -10,14 +10,14 @@ import json
 from collections.abc import Collection
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import and_, case, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import aliased
 
 from ckptstore_core.errors import CheckpointNotFound, RunNotFound
 from ckptstore_core.records import RunInfo, user_metadata
 from ckptstore_service.catalog.db import Database, utc
-from ckptstore_service.catalog.models import COMMITTED, PENDING, Checkpoint, Run
+from ckptstore_service.catalog.models import COMMITTED, DELETED, PENDING, Checkpoint, Run
 from ckptstore_service.catalog.records import CheckpointRecord
 
 __all__ = [
@@ -48,14 +48,14 @@ def ensure_run(db: Database, name: str) -> int:
             return int(s.execute(select(Run.id).where(Run.name == name)).scalar_one())
 
 
-def _info_query() -> Any:
+def _info_query(*, committed: bool = True) -> Any:
     parent = aliased(Checkpoint)
-    return (
+    query = (
         select(Checkpoint, Run.name, parent.step)
         .join(Run, Run.id == Checkpoint.run_id)
         .outerjoin(parent, parent.id == Checkpoint.parent_id)
-        .where(Checkpoint.status == COMMITTED)
     )
+    return query.where(Checkpoint.status == COMMITTED) if committed else query
 
 
 def _info(row: Any) -> CheckpointRecord:
@@ -145,12 +145,23 @@ def list_checkpoints(db: Database, run: str) -> list[CheckpointRecord]:
     return [_info(r) for r in rows]
 
 
-def records_by_id(db: Database, ids: Collection[int]) -> dict[int, CheckpointRecord]:
+def records_by_id(
+    db: Database, ids: Collection[int], *, shared: bool = False
+) -> dict[int, CheckpointRecord]:
     """The committed checkpoints ``ids`` (of any run), by id; those not committed are left
-    out. A delete's re-base or a re-root reaches checkpoints of other runs (forks)."""
+    out. A delete's re-base or a re-root reaches checkpoints of other runs (forks). With
+    ``shared``, the deleted checkpoints among ``ids`` that keep shared chunks (a blob) too:
+    a run's delete re-bases the shared chunks of its forks that rest on it."""
     if not ids:
         return {}
-    query = _info_query().where(Checkpoint.id.in_(sorted(ids)))
+    query = _info_query(committed=not shared).where(Checkpoint.id.in_(sorted(ids)))
+    if shared:
+        query = query.where(
+            or_(
+                Checkpoint.status == COMMITTED,
+                and_(Checkpoint.status == DELETED, Checkpoint.blob_key != ""),
+            )
+        )
     with db.session() as s:
         return {r.id: r for r in map(_info, s.execute(query).all())}
 
@@ -158,18 +169,23 @@ def records_by_id(db: Database, ids: Collection[int]) -> dict[int, CheckpointRec
 def list_runs(db: Database, name: str | None = None) -> list[RunInfo]:
     """Every run with a committed checkpoint (or only run ``name``), by name, its
     checkpoints summed."""
+    # the stored bytes include the blobs that deleted checkpoints keep for their shared
+    # chunks (docs/lifecycle.md): summed over runs, what the blob store holds
+    committed = Checkpoint.status == COMMITTED
+    shared = and_(Checkpoint.status == DELETED, Checkpoint.blob_key != "")
     query = (
         select(
             Run.name,
-            func.count(Checkpoint.id),
-            func.max(Checkpoint.step),
-            func.sum(Checkpoint.raw_bytes),
+            func.count(case((committed, Checkpoint.id))),
+            func.max(case((committed, Checkpoint.step))),
+            func.sum(case((committed, Checkpoint.raw_bytes), else_=0)),
             func.sum(Checkpoint.stored_bytes),
             Run.created_at,
         )
         .join(Checkpoint, Checkpoint.run_id == Run.id)
-        .where(Checkpoint.status == COMMITTED)
+        .where(or_(committed, shared))
         .group_by(Run.id, Run.name, Run.created_at)
+        .having(func.count(case((committed, Checkpoint.id))) > 0)
         .order_by(Run.name)
     )
     if name is not None:

@@ -11,11 +11,21 @@ import json
 from collections.abc import Collection
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import aliased
 
+from ckptstore_core import codec
 from ckptstore_core.errors import CorruptData
 from ckptstore_service.catalog.db import Database
-from ckptstore_service.catalog.models import COMMITTED, Checkpoint, Chunk, Part, Run, TensorRow
+from ckptstore_service.catalog.models import (
+    COMMITTED,
+    DELETED,
+    Checkpoint,
+    Chunk,
+    Part,
+    Run,
+    TensorRow,
+)
 from ckptstore_service.catalog.records import ChunkInfo, NewChunk, TensorInfo
 
 __all__ = [
@@ -25,6 +35,8 @@ __all__ = [
     "descendants",
     "run_dependents",
     "shared_bytes",
+    "shared_chunks",
+    "sharing",
     "tensors",
 ]
 
@@ -152,20 +164,73 @@ def dependents(db: Database, checkpoint_id: int) -> list[ChunkInfo]:
         return [_chunk(r) for r in s.execute(query).all()]
 
 
-def _run_chunk_ids(run: str) -> Any:
-    """The ids of the chunks of ``run``'s committed checkpoints (a subquery)."""
+def shared_chunks(db: Database, checkpoint_id: int) -> set[int]:
+    """The ids of checkpoint ``checkpoint_id``'s chunks that a delete of it keeps as
+    *shared chunks* (docs/lifecycle.md): those that a chunk of another checkpoint refers to
+    (codec ``ref``: a frozen tensor's later copies, a fork's first checkpoint) or that a
+    shared chunk of an earlier delete rests on, and, within the checkpoint, the chunks these
+    rest on (an fp32 master under its bf16 copy). Their bytes are needed as they are by
+    whatever refers to them: kept, they cost the delete nothing, where a re-base would copy
+    them into every blob that refers to them."""
+    dep = aliased(Chunk)
+    owner = aliased(Checkpoint)
+    query = (
+        select(Chunk.id)
+        .join(dep, dep.base_id == Chunk.id)
+        .join(owner, owner.id == dep.checkpoint_id)
+        .where(
+            Chunk.checkpoint_id == checkpoint_id,
+            dep.checkpoint_id != checkpoint_id,
+            or_(dep.codec == codec.REF, owner.status == DELETED),
+        )
+        .distinct()
+    )
+    with db.session() as s:
+        kept = set(s.scalars(query).all())
+        if not kept:
+            return kept
+        base_of = dict(
+            s.execute(
+                select(Chunk.id, Chunk.base_id).where(Chunk.checkpoint_id == checkpoint_id)
+            ).all()
+        )
+    for i in list(kept):
+        base = base_of[i]
+        while base in base_of and base not in kept:
+            kept.add(base)
+            base = base_of[base]
+    return kept
+
+
+def sharing(db: Database, run: str) -> set[int]:
+    """The deleted checkpoints of ``run`` that keep shared chunks."""
+    query = (
+        select(Checkpoint.id)
+        .join(Run, Run.id == Checkpoint.run_id)
+        .where(Run.name == run, Checkpoint.status == DELETED)
+        .where(select(Chunk.id).where(Chunk.checkpoint_id == Checkpoint.id).exists())
+    )
+    with db.session() as s:
+        return set(s.scalars(query).all())
+
+
+def _run_chunk_ids(run: str, *, shared: bool = False) -> Any:
+    """The ids of the chunks of ``run``'s committed checkpoints (a subquery); with
+    ``shared``, those its deleted checkpoints keep as shared chunks too."""
+    statuses = (COMMITTED, DELETED) if shared else (COMMITTED,)
     return (
         select(Chunk.id)
         .join(Checkpoint, Checkpoint.id == Chunk.checkpoint_id)
         .join(Run, Run.id == Checkpoint.run_id)
-        .where(Run.name == run, Checkpoint.status == COMMITTED)
+        .where(Run.name == run, Checkpoint.status.in_(statuses))
     )
 
 
 def run_dependents(db: Database, run: str) -> list[ChunkInfo]:
-    """The chunks of other runs' checkpoints (forks, and their later saves) whose base is a
-    chunk of one of ``run``'s checkpoints, by checkpoint, tensor and offset."""
-    own = _run_chunk_ids(run)
+    """The chunks of other runs' checkpoints (forks, and their later saves, and the shared
+    chunks their deletes kept) whose base is a chunk of one of ``run``'s checkpoints (or one
+    of the run's shared chunks), by checkpoint, tensor and offset."""
+    own = _run_chunk_ids(run, shared=True)
     query = (
         _chunk_query()
         .join(Run, Run.id == Checkpoint.run_id)

@@ -6,20 +6,28 @@ delete visible (:func:`commit_delete`), and the one that deletes a whole run
 (:func:`delete_run`). Both are called under the run's lock and its re-root lock.
 
 A deleted checkpoint's row is not removed: it stays as a *tombstone* (status ``deleted``, no
-tensors, chunks, parts, parent or blob), invisible like every row that is not
-``committed``, so that its id is never given to another checkpoint (SQLite reuses the
-largest rowid once its row is gone; the base cache of every replica is keyed by checkpoint
-id). Its blobs go on the garbage table, due after the grace time for loads in progress.
+tensors, parts or parent), invisible like every row that is not ``committed``, so that its
+id is never given to another checkpoint (SQLite reuses the largest rowid once its row is
+gone; the base cache of every replica is keyed by checkpoint id). Its blobs go on the
+garbage table, due after the grace time for loads in progress.
+
+A tombstone may keep some chunk rows: its *shared chunks*, which other checkpoints refer to
+(a frozen tensor's refs, a fork's) and which a delete therefore keeps instead of copying
+them into every blob that refers to them (:func:`.graph.shared_chunks`). It then keeps one
+blob, holding those chunks (its own blob as it was, or a new one holding only them), and
+``stored_bytes`` are that blob's. The chunk rows are their own reference counts: a shared
+chunk goes, in the transaction that takes away the last chunk resting on it
+(:func:`_prune`), and a tombstone left with no chunk gives its blob to the garbage table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import delete, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import bindparam, delete, exists, select, update
+from sqlalchemy.orm import Session, aliased
 
 from ckptstore_core.errors import CheckpointNotFound, CorruptData, RunNotFound
 from ckptstore_service.catalog.db import Database
@@ -28,22 +36,30 @@ from ckptstore_service.catalog.models import (
     COMMITTED,
     DELETED,
     PARTS,
+    Base,
     Checkpoint,
     Chunk,
+    Garbage,
     Part,
     Run,
     TensorRow,
 )
+from ckptstore_service.catalog.records import ChunkUpdate
 from ckptstore_service.catalog.retention import pinned_refusal
 
 __all__ = [
     "DeleteChanges",
+    "KeptChunks",
     "PartBlob",
     "commit_delete",
     "delete_run",
     "open_parts_step",
     "part_blobs",
 ]
+
+_CHUNKS = Base.metadata.tables[Chunk.__tablename__]
+# ids per statement (bound parameters per statement are limited)
+_BATCH = 500
 
 
 def open_parts_step(db: Database, run: str) -> int | None:
@@ -83,12 +99,26 @@ def part_blobs(db: Database, checkpoint_id: int) -> list[PartBlob]:
 
 
 @dataclass(frozen=True, slots=True)
+class KeptChunks:
+    """The shared chunks a delete keeps (:func:`.graph.shared_chunks`) and the blob that
+    holds them from its commit on: the checkpoint's own as it is (``rows`` empty), or a new
+    blob holding only them (``rows``: their places in it; ``written``: its garbage row)."""
+
+    ids: frozenset[int]
+    blob_key: str
+    stored_bytes: int
+    rows: Sequence[ChunkUpdate] = ()
+    written: Sequence[int] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class DeleteChanges:
     """Everything one delete commit changes."""
 
     checkpoint_id: int  # the checkpoint deleted
     rebase: RerootChanges  # the re-based chunks and what follows from them
     parts: Sequence[PartBlob]  # the parts whose blob the re-base rewrote (new_blob_key set)
+    kept: KeptChunks | None = None  # its shared chunks, if any
 
 
 def commit_delete(db: Database, run: str, changes: DeleteChanges) -> list[str]:
@@ -126,10 +156,91 @@ def commit_delete(db: Database, run: str, changes: DeleteChanges) -> list[str]:
             update(Checkpoint).where(Checkpoint.parent_id == x).values(parent_id=row.parent_id)
         )
         blobs = [row.blob_key, *s.scalars(select(Part.blob_key).where(Part.checkpoint_id == x))]
-        _tombstone(s, [x])
+        kept = changes.kept
+        _tombstone(s, [x], keep=True)  # its chunks go through _prune: their bases may too
+        if kept is not None:
+            _keep(s, x, kept)
+            blobs = [k for k in blobs if k != kept.blob_key]
         retire(s, row.run_id, blobs, changes.rebase.not_before)
+        ids = list(s.scalars(select(Chunk.id).where(Chunk.checkpoint_id == x)))
+        emptied = _prune(s, ids)
+        left = set(s.scalars(select(Chunk.id).where(Chunk.checkpoint_id == x)))
+        if left != (set() if kept is None else kept.ids):
+            raise CorruptData(f"the shared chunks of checkpoint {x} changed during its delete")
+        _release(s, emptied - {x}, changes.rebase.not_before)
         _count_since_keyframe(s, {row.run_id, *_runs_of(s, changes.rebase)})
     return [k for k in blobs if k]
+
+
+def _keep(s: Session, x: int, kept: KeptChunks) -> None:
+    """Tombstone ``x`` keeps its shared chunks in ``kept.blob_key`` (in a new blob: their
+    rows moved there, out of any part, and the new blob off the garbage table)."""
+    if kept.rows:
+        s.execute(
+            update(_CHUNKS)
+            .where(_CHUNKS.c.id == bindparam("b_id"))
+            .values(blob_offset=bindparam("b_offset"), part_id=0),
+            [{"b_id": r.id, "b_offset": r.blob_offset} for r in kept.rows],
+        )
+    if kept.written:
+        taken = s.execute(
+            delete(Garbage).where(Garbage.id.in_(list(kept.written))).returning(Garbage.id)
+        ).all()
+        if len(taken) != len(kept.written):  # a collector took it: it may be gone
+            raise CorruptData("the blob of a delete's shared chunks was collected before it")
+    s.execute(
+        update(Checkpoint)
+        .where(Checkpoint.id == x)
+        .values(blob_key=kept.blob_key, stored_bytes=kept.stored_bytes)
+    )
+
+
+def _prune(s: Session, candidates: Collection[int]) -> set[int]:
+    """Delete, among the chunks ``candidates``, those of deleted checkpoints that no chunk
+    rests on any more, then the bases that this leaves so, and so on (the chunk rows are
+    the reference counts of shared chunks). Returns the checkpoints that lost chunks."""
+    dep = aliased(Chunk)
+    touched: set[int] = set()
+    todo = sorted(set(candidates))
+    while todo:
+        bases: set[int] = set()
+        for i in range(0, len(todo), _BATCH):
+            rows = s.execute(
+                select(Chunk.id, Chunk.base_id, Chunk.checkpoint_id)
+                .join(Checkpoint, Checkpoint.id == Chunk.checkpoint_id)
+                .where(
+                    Chunk.id.in_(todo[i : i + _BATCH]),
+                    Checkpoint.status == DELETED,
+                    ~exists().where(dep.base_id == Chunk.id),
+                )
+            ).all()
+            if rows:
+                s.execute(delete(Chunk).where(Chunk.id.in_([r.id for r in rows])))
+            bases |= {r.base_id for r in rows if r.base_id is not None}
+            touched |= {r.checkpoint_id for r in rows}
+        todo = sorted(bases)
+    return touched
+
+
+def _release(s: Session, ids: Collection[int], not_before: datetime) -> None:
+    """The deleted checkpoints ``ids`` that keep no shared chunk any more give up their
+    blob: garbage from ``not_before``."""
+    for checkpoint_id in sorted(ids):
+        if s.scalar(select(Chunk.id).where(Chunk.checkpoint_id == checkpoint_id).limit(1)):
+            continue
+        row = s.execute(
+            select(Checkpoint.run_id, Checkpoint.blob_key).where(
+                Checkpoint.id == checkpoint_id, Checkpoint.status == DELETED
+            )
+        ).first()
+        if row is None or not row.blob_key:
+            continue
+        retire(s, row.run_id, [row.blob_key], not_before)
+        s.execute(
+            update(Checkpoint)
+            .where(Checkpoint.id == checkpoint_id)
+            .values(blob_key="", stored_bytes=0)
+        )
 
 
 def _move_parts(s: Session, parts: Sequence[PartBlob]) -> None:
@@ -153,8 +264,9 @@ def _runs_of(s: Session, rebase: RerootChanges | None) -> set[int]:
     return {int(r) for r in s.scalars(select(Checkpoint.run_id).where(Checkpoint.id.in_(ids)))}
 
 
-def _tombstone(s: Session, ids: list[int]) -> None:
-    """Delete the rows of checkpoints ``ids`` but their own, which become tombstones.
+def _tombstone(s: Session, ids: list[int], *, keep: bool = False) -> None:
+    """Delete the rows of checkpoints ``ids`` but their own, which become tombstones (with
+    ``keep``: their chunk rows stay too, for :func:`_prune` to go through).
 
     One checkpoint per statement, so that no statement outlives the database deadline
     (CKPTSTORE_DATABASE_TIMEOUT_S) however large the run: a whole run's chunk rows in one
@@ -168,13 +280,14 @@ def _tombstone(s: Session, ids: list[int]) -> None:
             )
             s.execute(unlink.values(base_id=None))
     for checkpoint_id in ids:
-        s.execute(delete(Chunk).where(Chunk.checkpoint_id == checkpoint_id))
+        if not keep:
+            s.execute(delete(Chunk).where(Chunk.checkpoint_id == checkpoint_id))
         s.execute(delete(TensorRow).where(TensorRow.checkpoint_id == checkpoint_id))
     s.execute(delete(Part).where(Part.checkpoint_id.in_(ids)))
     s.execute(
         update(Checkpoint)
         .where(Checkpoint.id.in_(ids))
-        .values(status=DELETED, blob_key="", parent_id=None)
+        .values(status=DELETED, blob_key="", stored_bytes=0, parent_id=None)
     )
 
 
@@ -236,10 +349,33 @@ def delete_run(
         _move_parts(s, parts)
         if rebase is not None:
             apply_rewrite(s, run_id, rebase)
+        # the run's deleted checkpoints that keep shared chunks go with it
+        sharing = s.execute(
+            select(Checkpoint.id, Checkpoint.blob_key).where(
+                Checkpoint.run_id == run_id,
+                Checkpoint.status == DELETED,
+                Checkpoint.blob_key != "",
+            )
+        ).all()
         ids = [int(r.id) for r in rows]
-        blobs = [r.blob_key for r in rows]
+        everything = ids + [int(r.id) for r in sharing]
+        blobs = [r.blob_key for r in rows] + [r.blob_key for r in sharing]
         blobs += s.scalars(select(Part.blob_key).where(Part.checkpoint_id.in_(ids))).all()
-        _tombstone(s, ids)
+        bases = _bases_of(s, everything)
+        _tombstone(s, everything)
         retire(s, run_id, blobs, not_before)
+        # shared chunks of other runs that only the run's chunks rested on
+        _release(s, _prune(s, bases), not_before)
         _count_since_keyframe(s, _runs_of(s, rebase))
     return len(ids), [k for k in blobs if k]
+
+
+def _bases_of(s: Session, ids: list[int]) -> set[int]:
+    """The chunks that the chunks of checkpoints ``ids`` rest on."""
+    found: set[int] = set()
+    for i in range(0, len(ids), _BATCH):
+        query = select(Chunk.base_id).where(
+            Chunk.checkpoint_id.in_(ids[i : i + _BATCH]), Chunk.base_id.is_not(None)
+        )
+        found |= {int(b) for b in s.scalars(query.distinct()) if b is not None}
+    return found

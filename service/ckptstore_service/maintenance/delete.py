@@ -1,8 +1,19 @@
 """Deleting a checkpoint, or a whole run, without changing a byte that any other checkpoint
 loads to (invariant 7).
 
-Any checkpoint X may go: the newest, the oldest, a keyframe, the middle of a chain. The
-chunks of other checkpoints whose base is one of X's (later deltas and refs; after a
+Any checkpoint X may go: the newest, the oldest, a keyframe, the middle of a chain.
+
+X's chunks that other checkpoints refer to (codec ``ref``: a frozen tensor stored once by X
+and referred to by every later checkpoint, a fork's first checkpoint) are *shared*: they
+are kept, rows of X's tombstone, and what refers to them (or rests on them) stays as it is
+(:meth:`Catalog.shared_chunks`). Where X's blob holds more than them, they are copied once
+into a blob of their own (at most X's stored bytes), X's blob going to the garbage table;
+a later delete refers to that blob as it is. The chunk rows are their reference counts: a
+shared chunk goes in the commit that removes the last chunk resting on it, and its blob
+once none of them is left (:mod:`ckptstore_service.catalog.lifecycle`). Re-basing them
+instead wrote a new blob for every checkpoint referring to them: O(run length) per delete.
+
+The other chunks of other checkpoints whose base is one of X's (later deltas; after a
 re-root, earlier ones too) are *re-based*: each is decoded, re-encoded against the first
 chunk on its base's chain that is not X's (or where there is none, or the chain runs into a
 bf16/f16 copy's fp32 master: the first chunk resting on the same chunk of X is stored whole
@@ -63,6 +74,7 @@ from ckptstore_service.catalog import (
     CheckpointUpdate,
     ChunkInfo,
     DeleteChanges,
+    KeptChunks,
     PartBlob,
 )
 from ckptstore_service.catalog.garbage import RerootChanges
@@ -91,8 +103,10 @@ log = logging.getLogger("ckptstore")
 @dataclass(frozen=True, slots=True)
 class Deleted:
     """What one delete did: the checkpoint that went, the chunks of other checkpoints it
-    re-based, the blobs it wrote in place of others and their bytes, and the stored bytes
-    that go once the garbage is collected (X's blobs, and the replaced blobs less the new)."""
+    re-based, the blobs it wrote in place of others and their bytes (the new blob of its
+    shared chunks included), the stored bytes that go once the garbage is collected (X's
+    blobs, and the replaced blobs, less the new and the shared chunks kept), and the shared
+    chunks it kept."""
 
     checkpoint: CheckpointRecord
     chunks: int
@@ -100,6 +114,8 @@ class Deleted:
     bytes_rewritten: int
     bytes_freed: int
     seconds: float
+    shared_chunks: int = 0  # its chunks that others refer to: kept, not copied
+    shared_bytes: int = 0  # their stored bytes (in a blob of their own, or its blob as is)
 
 
 def make_way_for_admin_delete(
@@ -157,34 +173,84 @@ def delete_checkpoint(
         if check is not None:
             check(x)
         _check_not_busy(catalog, run)
-        deps = _lock_dependents(held, catalog, run, partial(catalog.dependents, x.id))
-        gone = {c.id for c in catalog.chunks(x.id)}
+        shared = catalog.shared_chunks(x.id)
 
-        def commit(rebase: RerootChanges, parts: list[PartBlob]) -> None:
-            catalog.commit_delete(run, DeleteChanges(x.id, rebase, parts))
+        def rebased() -> list[ChunkInfo]:  # what rests on a shared chunk stays as it is
+            return [d for d in catalog.dependents(x.id) if d.base_id not in shared]
 
-        chunks, new, replaced = _rebase_and_commit(
-            catalog, store, run, (gone, {x.id}), deps, policy, scratch, pool, commit
-        )
+        deps = _lock_dependents(held, catalog, run, rebased)
+        own = catalog.chunks(x.id)
+        gone = {c.id for c in own} - shared
+        kept = _keep_shared(catalog, store, run, x, [c for c in own if c.id in shared], policy)
+        committed = False
+        try:
+
+            def commit(rebase: RerootChanges, parts: list[PartBlob]) -> None:
+                catalog.commit_delete(run, DeleteChanges(x.id, rebase, parts, kept))
+
+            chunks, new, replaced = _rebase_and_commit(
+                catalog, store, run, (gone, {x.id}), deps, policy, scratch, pool, commit
+            )
+            committed = True
+        finally:
+            if kept is not None and kept.rows and not committed:
+                drop_new_blobs(catalog, store, [kept.blob_key])
     written = sum(new.stored.values())
+    moved = 0 if kept is None or not kept.rows else kept.stored_bytes
+    still = 0 if kept is None else kept.stored_bytes
     done = Deleted(
         checkpoint=x,
         chunks=chunks,
         blobs=len(new.keys),
-        bytes_rewritten=written,
-        bytes_freed=x.stored_bytes + replaced - written,
+        bytes_rewritten=written + moved,
+        bytes_freed=x.stored_bytes + replaced - written - still,
         seconds=time.perf_counter() - t0,
+        shared_chunks=len(shared),
+        shared_bytes=still,
     )
     log.info(
-        "deleted %s/%d: %d chunks of %d blobs re-based (%d bytes written), in %.2fs",
+        "deleted %s/%d: %d chunks of %d blobs re-based, %d shared chunks kept (%d bytes, "
+        "%d moved to a blob of their own) (%d bytes written), in %.2fs",
         run,
         step,
         done.chunks,
         done.blobs,
-        written,
+        len(shared),
+        still,
+        moved,
+        done.bytes_rewritten,
         done.seconds,
     )
     return done
+
+
+def _keep_shared(
+    catalog: Catalog,
+    store: BlobStore,
+    run: str,
+    x: CheckpointRecord,
+    rows: list[ChunkInfo],
+    policy: RerootPolicy,
+) -> KeptChunks | None:
+    """Where the shared chunks ``rows`` of the checkpoint ``x`` being deleted are kept: in
+    its blob as it is, where they are all it holds; else copied, the rest left out, into a
+    new blob (named on the garbage table before it is written, as a re-base's are): at most
+    ``x``'s stored bytes are written, once; later deletes refer to that blob as it is."""
+    if not rows:
+        return None
+    ids = frozenset(c.id for c in rows)
+    size = sum(c.stored_len for c in rows)
+    if x.blob_key and size == x.stored_bytes and all(c.blob_key == x.blob_key for c in rows):
+        return KeptChunks(ids, x.blob_key, size)
+    key = blob_key(run, x.step)
+    due = datetime.now(UTC) + timedelta(seconds=policy.new_blob_due_s)
+    new = NewBlobs(keys={x.blob_key: key}, garbage_ids=catalog.add_garbage(run, [key], due))
+    try:
+        rewrite_blob(store, rows, x.blob_key, Spools(Path()), new)
+    except BaseException:
+        drop_new_blobs(catalog, store, [key])
+        raise
+    return KeptChunks(ids, key, new.stored[x.blob_key], list(new.rows.values()), new.garbage_ids)
 
 
 def _lock_run(held: ExitStack, catalog: Catalog, run: str) -> None:
@@ -206,7 +272,7 @@ def _lock_dependents(
     while True:
         deps = find()
         ids = {d.checkpoint_id for d in deps}
-        owners = catalog.records_by_id(ids)
+        owners = catalog.records_by_id(ids, shared=True)
         if owners.keys() != ids:
             raise RunBusy(
                 f"a checkpoint being written rests on run {run!r}'s checkpoints: retry once "
@@ -312,7 +378,7 @@ def _rebase(
         jobs.append((size, partial(_rebase_chunk, decoder, d, base, policy.zstd_level)))
     encode_all(jobs, spools, pool, None, policy.bytes_in_flight)
     owner = {d.blob_key: d.checkpoint_id for d in deps}
-    info = catalog.records_by_id(set(owner.values()))
+    info = catalog.records_by_id(set(owner.values()), shared=True)
     keys = {
         old: blob_key(info[owner[old]].run, info[owner[old]].step) for old in sorted(spools.files)
     }
@@ -372,7 +438,7 @@ def _changes(
     depth = _depths(spools, rows, below)
     affected = {c.checkpoint_id for c in below.values()}
     affected |= {rows[i].checkpoint_id for i in spools.chunks}
-    by_id = catalog.records_by_id(affected)
+    by_id = catalog.records_by_id(affected, shared=True)
     updates = dict(new.rows)
     checkpoints: list[CheckpointUpdate] = []
     parts: list[PartBlob] = []
@@ -435,7 +501,8 @@ def delete_run(
             count, blobs = catalog.delete_run(run, due)
         else:
             ids = {i.id for i in infos}
-            gone = {c.id for i in ids for c in catalog.chunks(i)}
+            # the shared chunks its deleted checkpoints keep go too
+            gone = {c.id for i in ids | catalog.sharing(run) for c in catalog.chunks(i)}
             out: list[tuple[int, list[str]]] = []
 
             def commit(rebase: RerootChanges, parts: list[PartBlob]) -> None:

@@ -310,12 +310,18 @@ def _in_parts(paths: list[list[ChunkInfo]], infos: list[CheckpointRecord]) -> bo
 
 
 def _in_other_runs(paths: list[list[ChunkInfo]], infos: list[CheckpointRecord]) -> bool:
-    """Whether a chain to reverse runs into another run's chunks (a fork's chains rest on
-    its source's): a re-root rewrites its own run's blobs only, under its own run's locks.
-    Such chains are left as they are, until the fork's next keyframe cuts them."""
+    """Whether a chain to reverse runs into chunks that are not its committed checkpoints':
+    another run's (a fork's chains rest on its source's), or the shared chunks a deleted
+    checkpoint keeps (:mod:`.delete`): a re-root rewrites its own checkpoints' blobs only,
+    under its own run's locks. Such chains are left as they are, until the next keyframe
+    cuts them."""
     own = {i.id for i in infos}
     if any(c.checkpoint_id not in own for path in paths for c in path):
-        log.info("not re-rooting %s: its chains rest on another run's (a fork)", infos[-1].run)
+        log.info(
+            "not re-rooting %s: its chains rest on another run's chunks (a fork) or on "
+            "shared chunks of a deleted checkpoint",
+            infos[-1].run,
+        )
         return True
     return False
 

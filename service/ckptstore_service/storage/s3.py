@@ -46,6 +46,7 @@ from ckptstore_core.errors import PayloadTooLarge, StorageUnavailable
 
 from .base import BlobNotFound, BlobStore, Buffer, check_key
 from .local import check_range
+from .queued import take_queued_since
 
 __all__ = ["MAX_PART_SIZE", "MIN_PART_SIZE", "OpenUpload", "S3BlobStore"]
 
@@ -74,15 +75,19 @@ class _Deadline:
     """
 
     def __init__(self, total_s: float, attempt_s: float) -> None:
-        self.start = time.monotonic()
+        queued = take_queued_since()  # a job that waited for a thread: since it was queued
+        self.start = time.monotonic() if queued is None else queued
         self.total_s = total_s
         self._attempt_s = attempt_s
         self.attempts = 0
+        self._queued = queued is not None
         self.last_error = ""
 
     def begin_attempt(self) -> None:
         elapsed = time.monotonic() - self.start
-        if self.attempts and elapsed + self._attempt_s > self.total_s:
+        # a queued operation's first attempt, like a retry, only if a stalled one would end
+        # by the deadline: queued behind stalled operations, it answers at once
+        if (self.attempts or self._queued) and elapsed + self._attempt_s > self.total_s:
             raise _DeadlineExceeded(
                 attempts=self.attempts,
                 elapsed=elapsed,
