@@ -126,8 +126,12 @@ def _sampled(split: dict[str, Any], level: int, kinds: Any, gain: float) -> str:
 def _instrument() -> None:
     from ckptstore_core import codec, planes, wire
     from ckptstore_core.pipeline import encode, plan, split
+    import ckptstore_service.save as save
+    from ckptstore_core.pipeline import chunks
+    from ckptstore_service import catalog
+    from ckptstore_service.catalog import locks
     from ckptstore_service.save import upload
-    from ckptstore_service.storage import local
+    from ckptstore_service.storage import local, sink
 
     _wrap(wire.StreamParser, "feed", "parse (wire)")
     _wrap(split.Splitter, "chunks", "split copy")
@@ -151,6 +155,16 @@ def _instrument() -> None:
     _wrap(local, "_fsync_dir", "fsync")
     _wrap(upload.UploadTransaction, "commit", "commit")
     _wrap(upload.UploadTransaction, "begin", "begin (writing row)")
+    _wrap(locks._Rows, "write", "run lock (rows)")
+    _wrap(locks._Rows, "drop", "run lock (rows)")
+    for name in ("find", "get", "parent_of"):
+        _wrap(catalog.Catalog, name, "catalog reads")
+    _wrap(save, "planner_for", "base lookup (parent's rows)")
+    _wrap(save, "wait_for_data", "header")
+    _wrap(encode.EncodePipeline, "_submit", "pipeline bookkeeping")
+    _wrap(encode.EncodePipeline, "_take", "pipeline bookkeeping")
+    _wrap(chunks, "_stored_chunk", "pipeline bookkeeping")
+    _wrap(sink.BlobSink, "write", "pipeline bookkeeping")
 
 
 def _thread_cpu() -> dict[str, float]:
