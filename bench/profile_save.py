@@ -341,6 +341,25 @@ class _ProfiledService:
         return Profiled(data_dir, env)
 
 
+def torch_zstd_s(ckpts: list[tuple[int, Any]]) -> float:
+    """Wall seconds of bench.py's baseline on the same states: torch.save into memory,
+    then zstd level 3 in one thread."""
+    import io
+
+    import torch
+    import zstandard
+
+    cctx = zstandard.ZstdCompressor(level=3)
+    total = 0.0
+    for _, state in ckpts:
+        t0 = time.perf_counter()
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        cctx.compress(buf.getbuffer())
+        total += time.perf_counter() - t0
+    return total
+
+
 def _cpu(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -391,6 +410,11 @@ def report(name: str, r: dict[str, Any]) -> None:
         "core-s/GB)"
     )
     c, s = r["client"], r["service_log"]
+    z = r["torch_zstd3_s"]
+    print(
+        f"  torch.save+zstd3 of the same states: {z:.2f} s; ckptstore saves "
+        f"{z / r['save_s']:.2f}x its speed"
+    )
     print(
         f"  wall: client flatten {c.get('flatten', 0):.3f} s + param names "
         f"{c.get('param_names', 0):.3f} s; service (its log) {s['total']:.2f} s = body "
@@ -452,6 +476,7 @@ def main() -> None:
             ckpts = checkpoints(name, args.quick, n, args.every, args.cache)
             log(f"{name}: saves")
             results[name] = profile_run(name, ckpts, workdir)
+            results[name]["torch_zstd3_s"] = torch_zstd_s(ckpts)
             report(name, results[name])
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

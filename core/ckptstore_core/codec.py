@@ -122,6 +122,11 @@ DELTA_MIN_GAIN = 0.05
 # chain, one decode per link, and for a bias or a norm's weights that costs far more time
 # than the few bytes the delta saves (bench/: 0.1% of the bytes, half of the chain links).
 _DELTA_MIN_BYTES = 64 << 10
+# No zstd frame of one byte or more is shorter than this (magic, frame header, content
+# size, block header, one byte): a chunk too short for its planes ever to be smaller than
+# it is stored raw at once. A save's optimizer step counters, scalars, are a third of its
+# tensors; each cost ~0.1 ms of planes and frames to find that out.
+_MIN_FRAME = 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +380,8 @@ def encode_chunk(
         return EncodedChunk(REF, (), digest)
     if not len(raw):
         return EncodedChunk(RAW, (), digest)
+    if _planes_lose(len(raw), itemsize):
+        return EncodedChunk(RAW, (bytes(raw),), digest)  # a copy: the caller reuses ``raw``
     if not delta or len(raw) < _DELTA_MIN_BYTES:
         base = None
     uint = planes.UINT[itemsize]
@@ -443,6 +450,12 @@ def encode_chunk(
     # planes/2 when a plane is sparse: readers of planes/1 only reject such chunks
     version = 2 if any(p.kind == _PLANE_SPARSE for p in stored) else 1
     return EncodedChunk(f"{layers}|planes{len(stored)}/{version}|zstd/1", tuple(parts), digest)
+
+
+def _planes_lose(raw_len: int, itemsize: int) -> bool:
+    """Whether no planes payload of a chunk of ``raw_len`` bytes can be smaller than it: a
+    count, 5 bytes of table per plane, each plane its raw bytes or a zstd frame."""
+    return 1 + itemsize * (5 + min(raw_len // itemsize, _MIN_FRAME)) >= raw_len
 
 
 def _equal(a: Buffer, b: Buffer) -> bool:
