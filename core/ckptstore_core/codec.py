@@ -442,8 +442,9 @@ def encode_chunk(
         frame = _cctx(level).compress(runs.astype("<u4").tobytes())
         parts += [_RUNS_HEAD.pack(len(runs) // 2, len(frame)), frame]
         layers += "|runs/1"
-    parts.append(struct.pack("<B", len(stored)))
-    parts += [struct.pack("<BI", p.kind, p.size) for p in stored]
+    # the plane table as one part: each part is one more hand-off to the blob's writer
+    table = [x for p in stored for x in (p.kind, p.size)]
+    parts.append(struct.pack(f"<B{'BI' * len(stored)}", len(stored), *table))
     parts += [part for p in stored for part in p.parts]
     if _size(parts) >= len(raw):
         return EncodedChunk(RAW, (bytes(raw),), digest)  # a copy: the caller reuses ``raw``
