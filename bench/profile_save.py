@@ -124,10 +124,9 @@ def _sampled(split: dict[str, Any], level: int, kinds: Any, gain: float) -> str:
 
 
 def _instrument() -> None:
-    from ckptstore_core import codec, planes, wire
-    from ckptstore_core.pipeline import encode, plan, split
     import ckptstore_service.save as save
-    from ckptstore_core.pipeline import chunks
+    from ckptstore_core import codec, planes, wire
+    from ckptstore_core.pipeline import chunks, encode, plan, split
     from ckptstore_service import catalog
     from ckptstore_service.catalog import locks
     from ckptstore_service.save import upload
@@ -239,7 +238,6 @@ def profile_run(name: str, ckpts: list[tuple[int, Any]], workdir: Path) -> dict[
     from bench import raw_bytes
     from ckptstore import CheckpointClient
     from ckptstore import state as state_mod
-    from support.serviceproc import Service
 
     depth = max(16, len(ckpts) + 1)
     data_dir = workdir / name
@@ -325,8 +323,16 @@ class _ProfiledService:
                 self.data_dir.mkdir(parents=True, exist_ok=True)
                 with open(self.log, "ab") as log:
                     self.proc = subprocess.Popen(
-                        [sys.executable, __file__, "--serve", "serve", "--port", str(self.port)]
-                        + ["--log-level", self.env.get("CKPTSTORE_TEST_LOG_LEVEL", "warning")],
+                        [
+                            sys.executable,
+                            __file__,
+                            "--serve",
+                            "serve",
+                            "--port",
+                            str(self.port),
+                            "--log-level",
+                            self.env.get("CKPTSTORE_TEST_LOG_LEVEL", "warning"),
+                        ],
                         env=self.env,
                         stdout=log,
                         stderr=subprocess.STDOUT,
@@ -431,9 +437,9 @@ def report(name: str, r: dict[str, Any]) -> None:
 
 def checkpoints(name: str, quick: bool, n: int, every: int, cache: Path) -> list[tuple[int, Any]]:
     """The run's checkpoints, trained once and kept in ``cache``."""
-    import models
     import torch
 
+    import models
     from bench import log
 
     path = cache / f"{name}-{'quick' if quick else 'full'}-{n}-{every}.pt"
@@ -451,9 +457,9 @@ def main() -> None:
         sys.exit(_serve(sys.argv[2:]))
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT / "bench"))
-    import models
     import torch
 
+    import models
     from bench import log
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
