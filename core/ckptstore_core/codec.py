@@ -122,6 +122,11 @@ DELTA_MIN_GAIN = 0.05
 # chain, one decode per link, and for a bias or a norm's weights that costs far more time
 # than the few bytes the delta saves (bench/: 0.1% of the bytes, half of the chain links).
 _DELTA_MIN_BYTES = 64 << 10
+# No zstd frame of one byte or more is shorter than this (magic, frame header, content
+# size, block header, one byte): a chunk too short for its planes ever to be smaller than
+# it is stored raw at once. A save's optimizer step counters, scalars, are a third of its
+# tensors; each cost ~0.1 ms of planes and frames to find that out.
+_MIN_FRAME = 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +380,8 @@ def encode_chunk(
         return EncodedChunk(REF, (), digest)
     if not len(raw):
         return EncodedChunk(RAW, (), digest)
+    if _planes_lose(len(raw), itemsize):
+        return EncodedChunk(RAW, (bytes(raw),), digest)  # a copy: the caller reuses ``raw``
     if not delta or len(raw) < _DELTA_MIN_BYTES:
         base = None
     uint = planes.UINT[itemsize]
@@ -435,14 +442,21 @@ def encode_chunk(
         frame = _cctx(level).compress(runs.astype("<u4").tobytes())
         parts += [_RUNS_HEAD.pack(len(runs) // 2, len(frame)), frame]
         layers += "|runs/1"
-    parts.append(struct.pack("<B", len(stored)))
-    parts += [struct.pack("<BI", p.kind, p.size) for p in stored]
+    # the plane table as one part: each part is one more hand-off to the blob's writer
+    table = [x for p in stored for x in (p.kind, p.size)]
+    parts.append(struct.pack(f"<B{'BI' * len(stored)}", len(stored), *table))
     parts += [part for p in stored for part in p.parts]
     if _size(parts) >= len(raw):
         return EncodedChunk(RAW, (bytes(raw),), digest)  # a copy: the caller reuses ``raw``
     # planes/2 when a plane is sparse: readers of planes/1 only reject such chunks
     version = 2 if any(p.kind == _PLANE_SPARSE for p in stored) else 1
     return EncodedChunk(f"{layers}|planes{len(stored)}/{version}|zstd/1", tuple(parts), digest)
+
+
+def _planes_lose(raw_len: int, itemsize: int) -> bool:
+    """Whether no planes payload of a chunk of ``raw_len`` bytes can be smaller than it: a
+    count, 5 bytes of table per plane, each plane its raw bytes or a zstd frame."""
+    return 1 + itemsize * (5 + min(raw_len // itemsize, _MIN_FRAME)) >= raw_len
 
 
 def _equal(a: Buffer, b: Buffer) -> bool:

@@ -433,3 +433,24 @@ def test_the_numpy_reference_decodes_and_encodes_the_same_bytes(
         assert decode_chunk(enc.codec, enc.payload, base, 4, a.nbytes, enc.checksum) == a.tobytes()
     assert {c.codec.split("|")[1] for c in fused} >= {"runs/1", "planes4/2", "zsub/1"}
     assert fused[-1].codec.startswith("scale/1|")
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+def test_chunks_too_short_for_planes_are_stored_raw_as_planes_would_be(
+    itemsize: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The raw shortcut of short chunks changes no stored byte: every length it takes, the
+    planes path (no frame assumed, the shortcut then covers only table-sized chunks) ends
+    raw too, with the same payload."""
+    rng = np.random.default_rng(itemsize)
+    chunks = [
+        data
+        for n in range(1, 64)
+        for data in (bytes(n * itemsize), rng.integers(0, 256, n * itemsize, np.uint8).tobytes())
+    ]
+    short = [codec.encode_chunk(c, None, itemsize) for c in chunks]
+    assert any(codec._planes_lose(len(c), itemsize) for c in chunks)
+    assert any(e.codec != codec.RAW for e in short)  # the longest go to planes
+    monkeypatch.setattr(codec, "_MIN_FRAME", 0)
+    planned = [codec.encode_chunk(c, None, itemsize) for c in chunks]
+    assert [(e.codec, e.payload) for e in short] == [(e.codec, e.payload) for e in planned]
