@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import unquote, urlsplit
 
-from .base import BlobNotFound, BlobStore, Buffer, check_key
+from .base import PRESIGNED_SUFFIX, BlobNotFound, BlobStore, Buffer, PresignedUpload, check_key
 from .local import LocalBlobStore
 from .sink import BlobSink
 
 __all__ = [
+    "PRESIGNED_SUFFIX",
+    "PresignedUpload",
     "BlobNotFound",
     "BlobSink",
     "BlobStore",
