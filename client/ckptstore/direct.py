@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptstore.transport import PIECE, Transport
+from ckptstore.transport import PIECE, Transport, store_error
 from ckptstore_core.encoded import (
     CONTENT_TYPE,
     FRAME_SLACK,
@@ -45,13 +45,7 @@ from ckptstore_core.encoded import (
     frame,
     tail_doc,
 )
-from ckptstore_core.errors import (
-    CkptStoreError,
-    Forbidden,
-    InvalidRequest,
-    StorageUnavailable,
-    UrlExpired,
-)
+from ckptstore_core.errors import StorageUnavailable
 from ckptstore_core.pipeline import (
     Budget,
     Buffer,
@@ -70,7 +64,6 @@ __all__ = [
     "pieces_of",
     "put_part",
     "shared_writer",
-    "store_error",
     "tensor_pieces",
 ]
 
@@ -374,20 +367,6 @@ def put_part(url: str, data: bytes, timeout: float) -> None:
         raise store_error(exc, "PUT of a part") from exc
     except OSError as exc:  # refused, reset, timed out
         raise StorageUnavailable(f"the store did not take a part: {exc}") from exc
-
-
-def store_error(exc: urllib.error.HTTPError, what: str) -> CkptStoreError:
-    """The typed error of a store's answer to a presigned request."""
-    text = exc.read()[:300].decode(errors="replace")
-    if exc.code == 403 and "expired" in text.lower():
-        return UrlExpired(f"the store refused a {what}: its URL expired ({text})")
-    if exc.code == 403:
-        return Forbidden(f"the store refused a {what} ({exc.code}): {text}")
-    if exc.code == 404 and "NoSuchUpload" in text:  # swept meanwhile: the next try plans again
-        return StorageUnavailable(f"the store's upload is gone (aborted) at a {what}: {text}")
-    if exc.code >= 500 or exc.code == 429:
-        return StorageUnavailable(f"the store answered {exc.code} to a {what}: {text}")
-    return InvalidRequest(f"the store answered {exc.code} to a {what}: {text}")
 
 
 class _Cancelled(Exception):

@@ -28,8 +28,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ckptstore.direct import store_error
-from ckptstore.transport import Transport, checkpoint_path
+from ckptstore.transport import Transport, checkpoint_path, store_error
 from ckptstore_core.assemble import FullView, full_view
 from ckptstore_core.chain import (
     ChainDecoder,

@@ -87,11 +87,12 @@ def _tensors(state: object) -> list[torch.Tensor]:
     return []
 
 
+@pytest.mark.slow  # waits out the parts' TTL (30 s: what a loaded machine's saves need)
 def test_a_rank_killed_mid_upload_leaves_nothing_and_the_sweep_aborts_its_upload(
     make_service: Callable[..., Service], backends: dict[str, str]
 ) -> None:
     # uploads nobody registered are aborted once their checkpoint would be abandoned
-    env = {**backends, "CKPTSTORE_PARTS_TTL_S": "10", "CKPTSTORE_SWEEP_INTERVAL_S": "0.5"}
+    env = {**backends, "CKPTSTORE_PARTS_TTL_S": "30", "CKPTSTORE_SWEEP_INTERVAL_S": "0.5"}
     service = make_service(env)
     w = torch.arange(100_000, dtype=torch.float32)
     with CheckpointClient(service.url, direct=True) as client:
