@@ -29,6 +29,7 @@ import json
 import logging
 import re
 import struct
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,12 +53,12 @@ from ckptstore_service.save.parts import PartSaver, unstored_part
 from ckptstore_service.save.plan import keyframe_after, parent_rows, planner_for
 from ckptstore_service.save.upload import PartTransaction
 from ckptstore_service.settings import Settings
-from ckptstore_service.storage import PRESIGNED_SUFFIX, BlobStore
+from ckptstore_service.storage import PRESIGNED_SUFFIX, BlobStore, presigned_key
 
 __all__ = ["DirectSaver", "Uploaded"]
 
 log = logging.getLogger("ckptstore")
-_UPLOAD_KEY = re.compile("[0-9a-f]{32}" + re.escape(PRESIGNED_SUFFIX))
+_UPLOAD_KEY = re.compile(r"[0-9a-f]{32}\.[0-9]+" + re.escape(PRESIGNED_SUFFIX))
 
 _NO_BLOCK = np.empty(0, np.uint8)  # a planned chunk's buffer: the plan reads only its place
 
@@ -220,7 +221,7 @@ class DirectSaver:
         check_part_name(name)
         if not (self._blobs.presigns and self._settings.presign):
             raise InvalidRequest("this service's store takes no presigned uploads: PUT .../encoded")
-        key = blob_key(run, step).removesuffix(".blob") + PRESIGNED_SUFFIX
+        key = presigned_key(blob_key(run, step), time.time())
         up = self._blobs.presigned_upload(key, max_bytes, self._settings.url_ttl_s)
         assert up is not None  # the store presigns
         return {

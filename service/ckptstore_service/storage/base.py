@@ -44,6 +44,8 @@ from ckptstore_core.pipeline.sink import Buffer
 
 __all__ = [
     "PRESIGNED_SUFFIX",
+    "presigned_key",
+    "presigned_since",
     "BlobNotFound",
     "BlobStore",
     "Buffer",
@@ -53,6 +55,22 @@ __all__ = [
 
 #: how the keys of blobs that writers upload themselves end (the sweep aborts theirs)
 PRESIGNED_SUFFIX = ".presigned.blob"
+
+
+def presigned_key(key: str, now: float) -> str:
+    """A presigned upload's key for blob key ``key`` (``....blob``), begun at ``now`` (Unix
+    seconds): the time is in the key, since stores differ on an upload's ``Initiated``
+    (moto reports a fixed date)."""
+    return f"{key.removesuffix('.blob')}.{int(now)}{PRESIGNED_SUFFIX}"
+
+
+def presigned_since(key: str) -> int | None:
+    """When the presigned upload of ``key`` began (:func:`presigned_key`), None for a key of
+    no presigned upload."""
+    if not key.endswith(PRESIGNED_SUFFIX):
+        return None
+    stamp = key.removesuffix(PRESIGNED_SUFFIX).rpartition(".")[2]
+    return int(stamp) if stamp.isdigit() else None
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,15 @@ from typing import NamedTuple
 
 from ckptstore_core.errors import PayloadTooLarge, StorageUnavailable
 
-from .base import PRESIGNED_SUFFIX, BlobNotFound, BlobStore, Buffer, PresignedUpload, check_key
+from .base import (
+    PRESIGNED_SUFFIX,
+    BlobNotFound,
+    BlobStore,
+    Buffer,
+    PresignedUpload,
+    check_key,
+    presigned_since,
+)
 from .local import check_range
 
 __all__ = ["MAX_PART_SIZE", "MIN_PART_SIZE", "OpenUpload", "S3BlobStore"]
@@ -369,11 +377,11 @@ class S3BlobStore(BlobStore):
                     raise
 
     def abort_presigned_before(self, older_than_s: float) -> int:
-        cutoff = datetime.now(UTC) - timedelta(seconds=older_than_s)
+        cutoff = time.time() - older_than_s
         stale = [
             up
             for up in self.list_open_uploads()
-            if up.key.endswith(PRESIGNED_SUFFIX) and up.initiated < cutoff
+            if (since := presigned_since(up.key)) is not None and since < cutoff
         ]
         for up in stale:
             self.abort_presigned(up.key, up.upload_id)
