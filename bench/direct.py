@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import backends  # noqa: E402
 import models  # noqa: E402
 from bench import mismatch, proc_cpu_s, raw_bytes  # noqa: E402
 from ckptstore import CheckpointClient  # noqa: E402
@@ -62,6 +63,7 @@ def measure(
     run: str, ckpts: list[tuple[int, Any]], workdir: Path, direct: bool, backend: dict[str, str]
 ) -> dict[str, Any]:
     data_dir = workdir / f"{run}-{'direct' if direct else 'service'}"
+    run = data_dir.name  # a run of its own: the production backends' catalog is shared
     depth = str(max(16, len(ckpts) + 1))
     env = {
         **backend,
@@ -138,6 +140,13 @@ def main() -> None:
     p.add_argument("--checkpoints", type=int, default=None, help="per run (default 9; quick 4)")
     p.add_argument("--every", type=int, default=25)
     p.add_argument("--backend", choices=["local", "s3"], default="local")
+    p.add_argument(
+        "--synthetic",
+        type=int,
+        metavar="MIB",
+        help="instead of the training runs: checkpoints of MIB MiB of slowly drifting fp32 "
+        "weights (bench/backends.py's states; no training, so per-GB figures in minutes)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = p.parse_args()
     with contextlib.ExitStack() as stack:
@@ -174,8 +183,12 @@ def bench(args: argparse.Namespace, backend: dict[str, str]) -> None:
         f"{'cli s/GB':>9} {'rx/raw':>7} {'verify s/GB':>12} {'load s':>7} {'svc ld s/GB':>11} "
         f"{'cli ld s/GB':>11} {'tx/raw':>7} exact"
     )
-    for name in args.runs:
-        ckpts = models.RUNS[name](size, n_ckpt, args.every, lambda _: None).checkpoints
+    names = ["synthetic"] if args.synthetic else args.runs
+    for name in names:
+        if args.synthetic:
+            ckpts = list(enumerate(backends.state_stream(args.synthetic, n_ckpt), start=1))
+        else:
+            ckpts = models.RUNS[name](size, n_ckpt, args.every, lambda _: None).checkpoints
         for direct in (False, True):
             m = measure(name, ckpts, workdir, direct, backend)
             out["runs"].setdefault(name, {})["direct" if direct else "service"] = m

@@ -647,6 +647,9 @@ class CkptStoreReader(StorageReader):
     (:attr:`bytes_read`: the tensor bytes the last ``read_data`` received).
     ``latest`` is resolved once per load by each rank; if it moved in between (another save
     committed), the load fails before reading anything: pass an explicit step.
+    ``direct=True`` (a client option): each rank fetches the stored chunks of its pieces
+    (presigned S3 URLs, else through the service unchanged) and decodes them itself
+    (:mod:`ckptstore.direct_load`).
     """
 
     def __init__(

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ckptstore.transport import Transport, checkpoint_path
+from ckptstore.transport import Transport, checkpoint_path, store_error
 from ckptstore_core.assemble import FullView, full_view
 from ckptstore_core.chain import (
     ChainDecoder,
@@ -36,7 +36,7 @@ from ckptstore_core.chain import (
     check_tiling,
     decoded_ahead,
 )
-from ckptstore_core.errors import CorruptData, Forbidden, StorageUnavailable
+from ckptstore_core.errors import CorruptData, StorageUnavailable
 from ckptstore_core.pipeline.rows import ChunkInfo, TensorInfo
 from ckptstore_core.pipeline.sink import Buffer
 
@@ -171,9 +171,8 @@ def _presigned_range(url: str, start: int, end: int, timeout: float) -> bytes:
             data: bytes = response.read()
             return data
     except urllib.error.HTTPError as exc:
-        text = exc.read()[:300].decode(errors="replace")
-        if exc.code == 403:
-            raise Forbidden(f"the store refused a presigned read ({exc.code}): {text}") from exc
         if exc.code == 416:
-            raise ValueError(f"no bytes {start}-{end} in the object: {text}") from exc
-        raise StorageUnavailable(f"the store answered {exc.code} to a ranged read: {text}") from exc
+            raise ValueError(f"no bytes {start}-{end} in the object") from exc
+        raise store_error(exc, "ranged read") from exc
+    except OSError as exc:  # refused, reset, timed out
+        raise StorageUnavailable(f"the store did not answer a ranged read: {exc}") from exc

@@ -37,6 +37,7 @@ import socket
 import ssl
 import threading
 import time
+import urllib.error
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol, TypeVar
 from urllib.parse import quote, urlsplit
@@ -46,12 +47,15 @@ import xxhash
 from ckptstore_core.errors import (
     CkptStoreError,
     CorruptData,
+    Forbidden,
+    InvalidRequest,
     InvalidStream,
     NotFound,
     RequestTimeout,
     ServiceUnavailable,
     StorageUnavailable,
     TooManyUploads,
+    UrlExpired,
     error_from_code,
 )
 from ckptstore_core.names import check_run_name
@@ -72,6 +76,7 @@ __all__ = [
     "read_header",
     "read_into",
     "run_path",
+    "store_error",
     "transport_of",
 ]
 
@@ -513,3 +518,17 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror[:1].lower() + exc.strerror[1:]
     return repr(exc)
+
+
+def store_error(exc: urllib.error.HTTPError, what: str) -> CkptStoreError:
+    """The typed error of a store's answer to a presigned request."""
+    text = exc.read()[:300].decode(errors="replace")
+    if exc.code == 403 and "expired" in text.lower():
+        return UrlExpired(f"the store refused a {what}: its URL expired ({text})")
+    if exc.code == 403:
+        return Forbidden(f"the store refused a {what} ({exc.code}): {text}")
+    if exc.code == 404 and "NoSuchUpload" in text:  # swept meanwhile: the next try plans again
+        return StorageUnavailable(f"the store's upload is gone (aborted) at a {what}: {text}")
+    if exc.code >= 500 or exc.code == 429:
+        return StorageUnavailable(f"the store answered {exc.code} to a {what}: {text}")
+    return InvalidRequest(f"the store answered {exc.code} to a {what}: {text}")

@@ -50,13 +50,16 @@ __all__ = [
     "Tail",
     "TailChunk",
     "chunk_cut",
+    "FRAME_SLACK",
     "encode_tail",
     "frame",
+    "parse_tail",
+    "tail_doc",
 ]
 
 CONTENT_TYPE = "application/vnd.ckptstore.encoded"
 _END_MARK = 0xFFFFFFFF
-_FRAME_SLACK = 1 << 16  # a chunk stored raw plus its codec's headers, at most
+FRAME_SLACK = 1 << 16  # a chunk stored raw plus its codec's headers, at most
 END = struct.pack("<I", _END_MARK)
 
 
@@ -103,6 +106,9 @@ class Plan:
     zstd_level: int
     tensors: tuple[TensorInfo, ...]
     chunks: tuple[ChunkInfo, ...]
+    #: the store takes the part's blob straight from the writer (``POST .../upload``,
+    #: presigned S3 URLs), else it is sent through the service (``PUT .../encoded``)
+    presigned: bool = False
 
     def to_json(self) -> dict[str, object]:
         """Rows as arrays, not objects: a large part's parent has many chunks."""
@@ -114,6 +120,7 @@ class Plan:
             "max_chain_depth": self.max_chain_depth,
             "chunk_bytes": self.chunk_bytes,
             "zstd_level": self.zstd_level,
+            "presigned": self.presigned,
             "tensors": [
                 [t.idx, t.name, t.dtype, list(t.shape), t.begin, t.nbytes, t.checksum.hex()]
                 for t in self.tensors
@@ -158,6 +165,7 @@ class Plan:
             _known_int(doc["zstd_level"]),
             tensors,
             chunks,
+            bool(doc.get("presigned", False)),
         )
 
 
@@ -177,14 +185,20 @@ def frame(size: int) -> bytes:
     return struct.pack("<I", size)
 
 
-def encode_tail(parent: int | None, chunks: Sequence[TailChunk], tensors: Sequence[bytes]) -> bytes:
-    """``end`` followed by the tail (see the module's docstring)."""
-    doc = {
+def tail_doc(
+    parent: int | None, chunks: Sequence[TailChunk], tensors: Sequence[bytes]
+) -> dict[str, object]:
+    """The tail's JSON document (see the module's docstring)."""
+    return {
         "parent": parent,
         "chunks": [[c.tensor_idx, c.offset, c.raw_len, c.codec, c.checksum.hex()] for c in chunks],
         "tensors": [t.hex() for t in tensors],
     }
-    text = json.dumps(doc, separators=(",", ":")).encode()
+
+
+def encode_tail(parent: int | None, chunks: Sequence[TailChunk], tensors: Sequence[bytes]) -> bytes:
+    """``end`` followed by the tail (see the module's docstring)."""
+    text = json.dumps(tail_doc(parent, chunks, tensors), separators=(",", ":")).encode()
     return END + struct.pack("<Q", len(text)) + text
 
 
@@ -209,7 +223,7 @@ class EncodedParser:
     def __init__(self, header: StreamParser, chunk_bytes: int, max_tail: int) -> None:
         self._header = header
         self._chunk_bytes = chunk_bytes
-        self._max_frame = max(codec.chunk_step(8, chunk_bytes), chunk_bytes) + _FRAME_SLACK
+        self._max_frame = max(codec.chunk_step(8, chunk_bytes), chunk_bytes) + FRAME_SLACK
         self.max_frames = 0  # known once the header is
         self._max_tail = max_tail
         self.header: Header | None = None
@@ -268,7 +282,7 @@ class EncodedParser:
                 return
             buf = b""
         if self._state == "tail":
-            self.tail = _parse_tail(buf, self._frames)
+            self.tail = parse_tail(buf, self._frames)
             self._state = "done"
             yield self.tail
             return
@@ -308,7 +322,9 @@ def _int(value: object, what: str) -> int:
     return value
 
 
-def _parse_tail(text: bytes, frames: int) -> Tail:
+def parse_tail(text: bytes, frames: int) -> Tail:
+    """The tail's JSON ``text`` of a part of ``frames`` chunks (InvalidStream if it is not
+    one)."""
     try:
         doc = json.loads(text)
     except (ValueError, RecursionError) as exc:

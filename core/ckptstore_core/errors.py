@@ -11,7 +11,9 @@ the same class, so ``except CheckpointNotFound`` works on both sides of the wire
     ├── Unauthorized              401 unauthorized      no token, or one the service does
     │                                                     not know (wrong, revoked)
     ├── Forbidden                 403 forbidden         the token's scope or run pattern
-    │                                                     does not cover the request
+    │   │                                                 does not cover the request
+    │   └── UrlExpired            403 url_expired       client side: a presigned store URL
+    │                                                     expired (a direct save: plan again)
     ├── NotFound                  404 not_found         unknown route
     │   ├── RunNotFound           404 run_not_found
     │   └── CheckpointNotFound    404 checkpoint_not_found
@@ -61,6 +63,7 @@ __all__ = [
     "TooManyUploads",
     "Unauthorized",
     "UnsupportedDtype",
+    "UrlExpired",
     "error_from_code",
     "error_types",
 ]
@@ -114,6 +117,12 @@ class Forbidden(CkptStoreError):
 
     code = "forbidden"
     status = 403
+
+
+class UrlExpired(Forbidden):
+    """A presigned store URL (a direct save's or load's) has expired: plan again."""
+
+    code = "url_expired"
 
 
 class NotFound(CkptStoreError):

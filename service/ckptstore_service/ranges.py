@@ -38,10 +38,11 @@ class DirectLoads:
     """The layouts of direct loads and the range reads behind them (see the module's
     docstring); ``url_ttl_s``: how long a presigned URL lives."""
 
-    def __init__(self, catalog: Catalog, store: BlobStore, url_ttl_s: int) -> None:
+    def __init__(self, catalog: Catalog, store: BlobStore, url_ttl_s: int, presign: bool) -> None:
         self._catalog = catalog
         self._store = store
         self._ttl = url_ttl_s
+        self._presign = presign
         self._blobs: OrderedDict[int, tuple[str, ...]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -66,7 +67,7 @@ class DirectLoads:
         keys = self._remember(info.id, closure.values())
         wanted = {t.idx for t in tensors}
         reached = _reached([c for c in own if c.tensor_idx in wanted], closure)
-        urls = [self._store.presigned_get(k, self._ttl) for k in keys]
+        urls = [self._store.presigned_get(k, self._ttl) if self._presign else None for k in keys]
         return {
             "checkpoint": CheckpointInfo.of(info).to_json(),
             "checkpoint_id": info.id,  # its own chunks' (the others are links of chains)

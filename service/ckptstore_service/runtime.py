@@ -121,7 +121,9 @@ class Runtime:
             self.source.stream,
         )
         self.direct = DirectSaver(self.catalog, self.store, self.parts, self.settings, self.metrics)
-        self.ranges = DirectLoads(self.catalog, self.store, self.settings.url_ttl_s)
+        self.ranges = DirectLoads(
+            self.catalog, self.store, self.settings.url_ttl_s, self.settings.presign
+        )
 
     @classmethod
     def open(cls, settings: Settings, metrics: Metrics | None = None) -> Runtime:

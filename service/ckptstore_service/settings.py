@@ -89,7 +89,14 @@ class Settings(BaseSettings):
         default=3600,
         gt=0,
         le=7 * 24 * 3600,
-        description="How long the presigned S3 URLs of a direct load live (docs/scale.md).",
+        description="How long the presigned S3 URLs of direct saves and loads live "
+        "(docs/scale.md).",
+    )
+    presign: bool = Field(
+        default=True,
+        description="Hand direct writers and readers presigned S3 URLs, so that their bytes "
+        "bypass the service (false: they go through it, e.g. a bucket the trainers cannot "
+        "reach).",
     )
     verify_cpu_share: float = Field(
         default=0.5,

@@ -94,6 +94,20 @@ CALLS: dict[tuple[str, str], Call] = {
     ("PUT", _STEP + "/parts/{part}/encoded"): Call(
         "PUT", "/v1/runs/{run}/checkpoints/9/parts/rank-0/encoded", body=_SAVE
     ),
+    # a direct writer's presigned upload (a store without URLs answers 400) and its rows
+    ("POST", _STEP + "/parts/{part}/upload"): Call(
+        "POST", "/v1/runs/{run}/checkpoints/9/parts/rank-0/upload", json={"max_bytes": 10}
+    ),
+    ("POST", _STEP + "/parts/{part}/uploaded"): Call(
+        "POST",
+        "/v1/runs/{run}/checkpoints/9/parts/rank-0/uploaded",
+        json={"key": "k", "upload_id": "u", "header": "{}", "sizes": [], "tail": {}},
+    ),
+    # a direct reader's layout and the ranges of its blobs
+    ("POST", _STEP + "/ranges"): Call("POST", "/v1/runs/{run}/checkpoints/1/ranges", json={}),
+    ("GET", _STEP + "/blobs/{index}"): Call(
+        "GET", "/v1/runs/{run}/checkpoints/1/blobs/0?start=0&end=1"
+    ),
     ("DELETE", _STEP): Call("DELETE", "/v1/runs/{run}/checkpoints/1"),
     ("DELETE", "/v1/runs/{run}"): Call("DELETE", "/v1/runs/{run}"),
     ("GET", "/v1/runs/{run}"): Call("GET", "/v1/runs/{run}"),

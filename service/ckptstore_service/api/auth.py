@@ -115,6 +115,8 @@ ROUTE_ACCESS: dict[tuple[str, str], Access] = {
     ("POST", _STEP + "/commit"): _WRITE_RUN,
     ("POST", _STEP + "/plan"): _WRITE_RUN,  # a writer's plan (direct=True): part of a save
     ("PUT", _STEP + "/parts/{part}/encoded"): _WRITE_RUN,
+    ("POST", _STEP + "/parts/{part}/upload"): _WRITE_RUN,  # presigned URLs of that run only
+    ("POST", _STEP + "/parts/{part}/uploaded"): _WRITE_RUN,
     # deleting destroys what no save can: an admin's (of the run's pattern, if it has one)
     ("DELETE", _STEP): Access("admin", run=True),
     ("DELETE", "/v1/runs/{run}"): Access("admin", run=True),

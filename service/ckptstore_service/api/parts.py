@@ -10,6 +10,8 @@ and those of writers that encode their own chunks (``direct=True``, docs/scale.m
 
     POST /v1/runs/{run}/checkpoints/{step}/plan                 {"names": [...]} -> the plan
     PUT  /v1/runs/{run}/checkpoints/{step}/parts/{part}/encoded  the encoded part
+    POST /v1/runs/{run}/checkpoints/{step}/parts/{part}/upload   presigned URLs (S3)
+    POST /v1/runs/{run}/checkpoints/{step}/parts/{part}/uploaded its rows, the bytes in S3
 
 and of clients that decode their own loads (``direct=True``, :mod:`ckptstore_service.ranges`):
 
@@ -49,10 +51,13 @@ from ckptstore_service.api.schemas import (
     PlanIn,
     RangesIn,
     SelectIn,
+    UploadedIn,
+    UploadIn,
 )
 from ckptstore_service.catalog import PartRecord
 from ckptstore_service.names import check_run_name, parse_step
 from ckptstore_service.restore import resolving_latest, tensors_of
+from ckptstore_service.save.direct import Uploaded
 
 __all__ = ["router"]
 
@@ -104,6 +109,10 @@ async def _stored_part(
     stored, created = await consume_body(
         request, uploads, lambda body, length: ingest(run, step_n, part, body, length)
     )
+    return _part_answer(run, step_n, stored, created)
+
+
+def _part_answer(run: str, step_n: int, stored: PartRecord, created: bool) -> JSONResponse:
     out = PartOut(
         run=run,
         step=step_n,
@@ -159,6 +168,45 @@ async def save_encoded_part(
     checked against the service's own plan, decoded later by the verifier): invisible until
     the commit names it."""
     return await _stored_part(run, step, part, request, uploads, rt.direct.ingest)
+
+
+@router.post(
+    _CHECKPOINT + "/parts/{part}/upload",
+    responses=error_responses(InvalidRequest, PayloadTooLarge, StorageUnavailable),
+)
+async def open_upload(
+    run: Run, step: Step, part: PartName, body: UploadIn, rt: RuntimeDep
+) -> dict[str, Any]:
+    """A presigned upload of one writer's encoded part straight to the store (S3; the
+    plan's `presigned` says whether there is one): its key, id, part size and one URL per
+    part, each valid for that key and upload only, for `CKPTSTORE_URL_TTL_S`."""
+    check_run_name(run)
+    step_n = _step(step)
+    return await run_in_threadpool(rt.direct.open_upload, run, step_n, part, body.max_bytes)
+
+
+@router.post(
+    _CHECKPOINT + "/parts/{part}/uploaded",
+    status_code=201,
+    response_model=PartOut,
+    responses={
+        200: {"model": PartOut, "description": "Stored already, with the same content"},
+        **error_responses(
+            InvalidRequest, InvalidStream, CheckpointExists, PayloadTooLarge, StorageUnavailable
+        ),
+    },
+)
+async def register_uploaded_part(
+    run: Run, step: Step, part: PartName, body: UploadedIn, rt: RuntimeDep
+) -> JSONResponse:
+    """Register one writer's part whose encoded bytes it uploaded through `.../upload`'s
+    URLs: the upload is completed once its parts hold exactly the chunks' sizes (never
+    read here), the rows are checked as an encoded part's; invisible until the commit."""
+    check_run_name(run)
+    step_n = _step(step)
+    doc = Uploaded(body.key, body.upload_id, body.header, body.sizes, body.tail)
+    stored, created = await run_in_threadpool(rt.direct.register, run, step_n, part, doc)
+    return _part_answer(run, step_n, stored, created)
 
 
 @router.post(

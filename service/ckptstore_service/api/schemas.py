@@ -7,6 +7,8 @@ classes the client parses them into. :class:`ErrorBody` is what
 
 from __future__ import annotations
 
+from typing import Annotated, Any
+
 from pydantic import BaseModel, Field
 
 from ckptstore_core.names import RUN_NAME_RULE
@@ -83,6 +85,20 @@ class PlanIn(BaseModel):
 
 class SelectIn(BaseModel):
     names: list[str] = Field(description="The tensors to read, by name")
+
+
+class UploadIn(BaseModel):
+    max_bytes: int = Field(ge=0, description="The most encoded bytes the part may hold")
+
+
+class UploadedIn(BaseModel):
+    key: str = Field(description="The upload's key, as `.../upload` answered")
+    upload_id: str = Field(description="The upload's id, as `.../upload` answered")
+    header: str = Field(description="The part's safetensors header (its JSON)")
+    sizes: list[Annotated[int, Field(ge=0)]] = Field(
+        description="Each chunk's stored bytes, in blob order"
+    )
+    tail: dict[str, Any] = Field(description="The tail of rows, as in an encoded body")
 
 
 class RangesIn(BaseModel):

@@ -132,6 +132,15 @@ def collect_parts(catalog: Catalog, store: BlobStore, ttl_s: float) -> list[Part
     ]
     older_than = datetime.now(UTC) - timedelta(seconds=ttl_s)
     gone += _collect_abandoned(catalog, store, older_than)
+    # uploads writers began straight to the store and never registered (a rank killed
+    # mid-PUT): no part row names them; past the TTL their checkpoint is abandoned anyway
+    try:
+        aborted = store.abort_presigned_before(ttl_s)
+    except (StorageUnavailable, OSError) as exc:
+        log.warning("cannot abort stale presigned uploads yet: %s", exc)
+        aborted = 0
+    if aborted:
+        log.info("aborted %d presigned upload(s) nobody registered", aborted)
     if gone:
         log.info("collected %d part(s) of checkpoints never committed", len(gone))
     return gone

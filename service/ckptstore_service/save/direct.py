@@ -24,13 +24,20 @@ corrupt; no other checkpoint is touched.
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+import re
+import struct
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ckptstore_core import codec
-from ckptstore_core.encoded import EncodedParser, FramePiece, Plan, Tail, chunk_cut
+from ckptstore_core.encoded import EncodedParser, FramePiece, Plan, Tail, chunk_cut, parse_tail
 from ckptstore_core.errors import CheckpointExists, InvalidRequest, InvalidStream
 from ckptstore_core.lossy import LOSSY
 from ckptstore_core.pipeline import DeltaPlanner, NewChunk, RawChunk, TensorInfo
@@ -40,19 +47,33 @@ from ckptstore_core.wire import Header
 from ckptstore_service.catalog import Catalog, Lease, PartRecord
 from ckptstore_service.catalog.models import CLIENT
 from ckptstore_service.metrics import Metrics
-from ckptstore_service.names import check_part_name
+from ckptstore_service.names import blob_key, check_part_name
 from ckptstore_service.save.header import body_parser, check_metadata
 from ckptstore_service.save.parts import PartSaver, unstored_part
 from ckptstore_service.save.plan import keyframe_after, parent_rows, planner_for
 from ckptstore_service.save.upload import PartTransaction
 from ckptstore_service.settings import Settings
-from ckptstore_service.storage import BlobStore
+from ckptstore_service.storage import PRESIGNED_SUFFIX, BlobStore, presigned_key
 
-__all__ = ["DirectSaver"]
+__all__ = ["DirectSaver", "Uploaded"]
 
 log = logging.getLogger("ckptstore")
+_UPLOAD_KEY = re.compile(r"[0-9a-f]{32}\.[0-9]+" + re.escape(PRESIGNED_SUFFIX))
 
 _NO_BLOCK = np.empty(0, np.uint8)  # a planned chunk's buffer: the plan reads only its place
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """A part its writer uploaded to the store itself (``POST .../parts/{part}/uploaded``):
+    the presigned upload (``key``, ``upload_id``), the part's safetensors header (its JSON),
+    each chunk's stored size in blob order, and the tail (as in an encoded body)."""
+
+    key: str
+    upload_id: str
+    header: str
+    sizes: list[int]
+    tail: dict[str, Any]
 
 
 class DirectSaver:
@@ -88,6 +109,7 @@ class DirectSaver:
             s.zstd_level,
             tuple(tensors.values()),
             tuple(chunks),
+            self._blobs.presigns and s.presign,
         )
 
     def ingest(
@@ -116,7 +138,13 @@ class DirectSaver:
                 return existing, False
             if existing is not None:  # a crashed upload of this part: its lock is free
                 self._parts.collect(existing)
-            self._store(run, step, checkpoint_id, name, header, frames, parser, held)
+
+            def land(tx: PartTransaction) -> tuple[list[tuple[int, int]], Tail, int]:
+                places = _appended(frames, tx)
+                tail = parser.close()
+                return places, tail, tx.finish()
+
+            self._store(run, step, checkpoint_id, name, header, held, land)
         part = self._catalog.find_part(checkpoint_id, name)
         assert part is not None
         self._metrics.part_saved(part)
@@ -146,17 +174,19 @@ class DirectSaver:
         checkpoint_id: int,
         name: str,
         header: Header,
-        frames: Iterator[FramePiece],
-        parser: EncodedParser,
         lease: Lease,
+        land: Callable[[PartTransaction], tuple[list[tuple[int, int]], Tail, int]],
+        uploaded: str | None = None,
     ) -> None:
+        """Store part ``name`` of ``header``'s tensors: ``land(tx)`` puts its chunks in the
+        blob and returns their places, the tail and the blob's size, durable; ``uploaded``:
+        the key of a blob its writer uploaded itself (``land`` completes it)."""
         parent = self._catalog.parent_of(run, step)
         planner, _ = planner_for(self._catalog, self._settings, header, parent, same_names=True)
         with PartTransaction.begin(
-            self._catalog, self._blobs, run, step, checkpoint_id, name, lease
+            self._catalog, self._blobs, run, step, checkpoint_id, name, lease, uploaded
         ) as tx:
-            places = _appended(frames, tx)
-            tail = parser.close()
+            places, tail, stored_bytes = land(tx)
             want = None if parent is None else parent.id
             if tail.parent != want:
                 raise CheckpointExists(
@@ -164,7 +194,6 @@ class DirectSaver:
                     f"{tail.parent}, but the step's parent is now {want}: plan it again"
                 )
             tensors, chunks, siblings = _rows(header, tail, planner, places, self._settings)
-            stored_bytes = tx.finish()
             tx.commit(
                 raw_bytes=header.data_len,
                 stored_bytes=stored_bytes,
@@ -174,13 +203,109 @@ class DirectSaver:
                 encoded_by=CLIENT,
             )
         log.info(
-            "registered client-encoded part %s of %s/%d: %d -> %d bytes",
+            "registered client-encoded part %s of %s/%d: %d -> %d bytes%s",
             name,
             run,
             step,
             header.data_len,
             stored_bytes,
+            " (uploaded by its writer)" if uploaded else "",
         )
+
+    # -- straight to the store (presigned uploads) -------------------------------------------
+
+    def open_upload(self, run: str, step: int, name: str, max_bytes: int) -> dict[str, Any]:
+        """A presigned upload of part ``name`` of ``run/step``, of at most ``max_bytes``
+        encoded bytes: a fresh key of that step, the upload's id, its part size and one URL
+        per part (InvalidRequest where the store takes none)."""
+        check_part_name(name)
+        if not (self._blobs.presigns and self._settings.presign):
+            raise InvalidRequest("this service's store takes no presigned uploads: PUT .../encoded")
+        key = presigned_key(blob_key(run, step), time.time())
+        up = self._blobs.presigned_upload(key, max_bytes, self._settings.url_ttl_s)
+        assert up is not None  # the store presigns
+        return {
+            "key": key,
+            "upload_id": up.upload_id,
+            "part_size": up.part_size,
+            "urls": list(up.urls),
+            "url_ttl_s": self._settings.url_ttl_s,
+        }
+
+    def register(self, run: str, step: int, name: str, doc: Uploaded) -> tuple[PartRecord, bool]:
+        """Register part ``name`` of ``run/step`` whose blob its writer uploaded (``doc``:
+        the upload, the part's safetensors header, each chunk's stored size and the tail);
+        the upload is completed once its parts hold exactly those bytes (else 400), never
+        read. Returns (part, created) as :meth:`ingest` does."""
+        check_part_name(name)
+        _check_upload_key(run, step, doc.key)
+        header = _header_of(doc.header.encode(), self._settings)
+        sizes = doc.sizes
+        tail = parse_tail(json.dumps(doc.tail).encode(), len(sizes))
+        checkpoint_id, committed = self._parts.open_checkpoint(run, step)
+        if committed is not None:
+            what = f"part {name!r} of {run}/{step}, which is committed already"
+            _check_same(header, tail, self._catalog.tensors(committed.id), what)
+            self._blobs.abort_presigned(doc.key, doc.upload_id)
+            return unstored_part(committed.id, name, header), False
+        with self._catalog.part_lock(run, step, name, blocking=False) as held:
+            if held is None:
+                raise CheckpointExists(f"part {name!r} of {run}/{step} is being uploaded")
+            existing = self._catalog.find_part(checkpoint_id, name)
+            if existing is not None and existing.status == "done":
+                what = f"part {name!r} of {run}/{step}"
+                _check_same(header, tail, self._catalog.part_tensors(existing), what)
+                if existing.blob_key != doc.key:
+                    self._blobs.abort_presigned(doc.key, doc.upload_id)
+                return existing, False
+            if existing is not None:  # a crashed upload of this part: its lock is free
+                self._parts.collect(existing)
+
+            def land(tx: PartTransaction) -> tuple[list[tuple[int, int]], Tail, int]:
+                size = sum(sizes)
+                try:
+                    stored = self._blobs.complete_presigned(doc.key, doc.upload_id, size)
+                except ValueError as exc:
+                    raise InvalidStream(f"part {name!r} of {run}/{step}: {exc}") from None
+                return _places(sizes), tail, stored
+
+            try:
+                self._store(run, step, checkpoint_id, name, header, held, land, doc.key)
+            except BaseException:
+                self._blobs.abort_presigned(doc.key, doc.upload_id)  # if not completed
+                raise
+        part = self._catalog.find_part(checkpoint_id, name)
+        assert part is not None
+        self._metrics.part_saved(part)
+        return part, True
+
+
+def _places(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """Each chunk's (offset, length) in a blob of its stored bytes back to back."""
+    offsets = itertools.accumulate(sizes, initial=0)
+    return [(offset, n) for offset, n in zip(offsets, sizes, strict=False)]
+
+
+def _check_upload_key(run: str, step: int, key: str) -> None:
+    """InvalidRequest unless ``key`` is one :meth:`DirectSaver.open_upload` makes for
+    ``run/step`` (a writer registers no other run's or step's blob)."""
+    rest = key.removeprefix(f"runs/{run}/{step}-")
+    if rest == key or not _UPLOAD_KEY.fullmatch(rest):
+        raise InvalidRequest(f"{key!r} is no presigned upload of {run}/{step}")
+
+
+def _header_of(text: bytes, settings: Settings) -> Header:
+    """A part's safetensors header (its JSON ``text``), checked as an upload's is."""
+    parser = body_parser(settings)
+    body = struct.pack("<Q", len(text)) + text
+    found = [e for e in parser.feed(body) if isinstance(e, Header)]
+    if not found:
+        raise InvalidStream("the part's header is incomplete")
+    header = found[0]
+    check_metadata(header)
+    if LOSSY_KEY in header.metadata:
+        raise InvalidRequest("a part encoded by its writer cannot be lossy")
+    return header
 
 
 def _drained(frames: Iterator[FramePiece], parser: EncodedParser) -> Tail:

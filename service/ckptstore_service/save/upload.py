@@ -71,18 +71,21 @@ class _BlobTransaction:
     made durable, named by a row that goes with it on abort. Subclasses say which row:
     :meth:`_drop_row`."""
 
-    def __init__(self, store: BlobStore, key: str) -> None:
+    def __init__(self, store: BlobStore, key: str, written_elsewhere: bool = False) -> None:
         self._store = store
         self.key = key
-        self._writer = BlobSink(store, key)
+        # a blob its writer uploads straight to the store (presigned): nothing written here
+        self._writer = None if written_elsewhere else BlobSink(store, key)
         self.committed = False
 
     def write(self, parts: Iterable[Buffer]) -> tuple[int, int]:
         """Append one encoded chunk; returns its (offset, length) in the blob."""
+        assert self._writer is not None
         return self._writer.write(parts)
 
     def finish(self) -> int:
         """Make the blob durable; returns its size."""
+        assert self._writer is not None
         return self._writer.finish()
 
     def _drop_row(self) -> None:
@@ -92,7 +95,8 @@ class _BlobTransaction:
         """Undo what is not committed; each step on its own, failures logged."""
         if self.committed:
             return
-        _cleanup(self._writer.abort)
+        if self._writer is not None:
+            _cleanup(self._writer.abort)
         if _blob_gone(self._store, self.key):
             _cleanup(self._drop_row)
 
@@ -186,8 +190,9 @@ class PartTransaction(_BlobTransaction):
         key: str,
         part: PartRecord,
         lease: Lease | None = None,
+        written_elsewhere: bool = False,
     ):
-        super().__init__(store, key)
+        super().__init__(store, key, written_elsewhere)
         self._catalog = catalog
         self.part = part
         self._lease = lease
@@ -202,12 +207,15 @@ class PartTransaction(_BlobTransaction):
         checkpoint_id: int,
         name: str,
         lease: Lease | None = None,
+        uploaded: str | None = None,
     ) -> PartTransaction:
-        """``lease``: the part lock's, held while the part uploads; its commit checks it."""
-        key = blob_key(run, step)
+        """``lease``: the part lock's, held while the part uploads; its commit checks it.
+        ``uploaded``: the key of a blob its writer uploaded to the store itself (presigned;
+        completed by the caller, deleted on abort)."""
+        key = uploaded or blob_key(run, step)
         part_id = catalog.begin_part(checkpoint_id, name, key)
         record = PartRecord(part_id, checkpoint_id, name, key, "", 0, 0, 0)
-        return cls(catalog, store, key, record, lease)
+        return cls(catalog, store, key, record, lease, uploaded is not None)
 
     def _drop_row(self) -> None:
         self._catalog.drop_part(self.part.id)

@@ -13,11 +13,22 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import unquote, urlsplit
 
-from .base import BlobNotFound, BlobStore, Buffer, check_key
+from .base import (
+    PRESIGNED_SUFFIX,
+    BlobNotFound,
+    BlobStore,
+    Buffer,
+    PresignedUpload,
+    check_key,
+    presigned_key,
+)
 from .local import LocalBlobStore
 from .sink import BlobSink
 
 __all__ = [
+    "PRESIGNED_SUFFIX",
+    "presigned_key",
+    "PresignedUpload",
     "BlobNotFound",
     "BlobSink",
     "BlobStore",

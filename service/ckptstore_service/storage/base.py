@@ -37,11 +37,50 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass
 
 from ckptstore_core.errors import CkptStoreError
 from ckptstore_core.pipeline.sink import Buffer
 
-__all__ = ["BlobNotFound", "BlobStore", "Buffer", "check_key"]
+__all__ = [
+    "PRESIGNED_SUFFIX",
+    "presigned_key",
+    "presigned_since",
+    "BlobNotFound",
+    "BlobStore",
+    "Buffer",
+    "PresignedUpload",
+    "check_key",
+]
+
+#: how the keys of blobs that writers upload themselves end (the sweep aborts theirs)
+PRESIGNED_SUFFIX = ".presigned.blob"
+
+
+def presigned_key(key: str, now: float) -> str:
+    """A presigned upload's key for blob key ``key`` (``....blob``), begun at ``now`` (Unix
+    seconds): the time is in the key, since stores differ on an upload's ``Initiated``
+    (moto reports a fixed date)."""
+    return f"{key.removesuffix('.blob')}.{int(now)}{PRESIGNED_SUFFIX}"
+
+
+def presigned_since(key: str) -> int | None:
+    """When the presigned upload of ``key`` began (:func:`presigned_key`), None for a key of
+    no presigned upload."""
+    if not key.endswith(PRESIGNED_SUFFIX):
+        return None
+    stamp = key.removesuffix(PRESIGNED_SUFFIX).rpartition(".")[2]
+    return int(stamp) if stamp.isdigit() else None
+
+
+@dataclass(frozen=True)
+class PresignedUpload:
+    """An upload a client makes straight to the store (:meth:`BlobStore.presigned_upload`):
+    its id, the size of every part but the last, one URL per part number (1, 2, ...)."""
+
+    upload_id: str
+    part_size: int
+    urls: tuple[str, ...]
 
 
 class BlobNotFound(CkptStoreError):
@@ -86,6 +125,31 @@ class BlobStore(abc.ABC):
         credentials for ``expires_s`` seconds, and no other key; None where the store hands
         out none (the service then serves the ranges itself: direct loads)."""
         return None
+
+    #: whether the store hands out presigned URLs (:meth:`presigned_get`, uploads)
+    presigns = False
+
+    def presigned_upload(self, key: str, max_bytes: int, expires_s: int) -> PresignedUpload | None:
+        """Start an upload of blob ``key`` (ending in :data:`PRESIGNED_SUFFIX`) that a client
+        without credentials makes, of at most ``max_bytes``: parts of ``part_size`` bytes
+        (the last one shorter), each PUT to its URL (valid ``expires_s`` seconds, for that
+        key and upload only); the blob is not visible until :meth:`complete_presigned`.
+        None where the store hands out no URLs."""
+        return None
+
+    def complete_presigned(self, key: str, upload_id: str, size: int) -> int:
+        """Make the presigned upload ``upload_id`` of ``key`` the blob, once its parts hold
+        exactly ``size`` bytes (``ValueError`` saying what they hold otherwise; the upload
+        is left open). Returns the size."""
+        raise ValueError(f"{type(self).__name__} takes no presigned uploads")
+
+    def abort_presigned(self, key: str, upload_id: str) -> None:  # noqa: B027 - optional
+        """Abort presigned upload ``upload_id`` of ``key`` (idempotent)."""
+
+    def abort_presigned_before(self, older_than_s: float) -> int:
+        """Abort the presigned uploads begun more than ``older_than_s`` ago that nobody
+        completed (a writer that died mid-PUT, or never registered); returns how many."""
+        return 0
 
     def discard(self, key: str) -> None:
         """``delete`` after a failed write; backends with long waits bound it tighter."""

@@ -44,7 +44,15 @@ from typing import NamedTuple
 
 from ckptstore_core.errors import PayloadTooLarge, StorageUnavailable
 
-from .base import BlobNotFound, BlobStore, Buffer, check_key
+from .base import (
+    PRESIGNED_SUFFIX,
+    BlobNotFound,
+    BlobStore,
+    Buffer,
+    PresignedUpload,
+    check_key,
+    presigned_since,
+)
 from .local import check_range
 from .queued import take_queued_since
 
@@ -300,6 +308,89 @@ class S3BlobStore(BlobStore):
                 "get_object", Params=params, ExpiresIn=expires_s
             )
         return url
+
+    presigns = True
+
+    def presigned_upload(self, key: str, max_bytes: int, expires_s: int) -> PresignedUpload:
+        # no checksum algorithm: a client's plain PUT carries none, and the completion
+        # would have to list one per part
+        if not key.endswith(PRESIGNED_SUFFIX):
+            raise ValueError(f"a presigned upload's key ends in {PRESIGNED_SUFFIX}: {key!r}")
+        parts = max(1, -(-max_bytes // self.part_size))
+        if parts > MAX_PARTS:
+            raise PayloadTooLarge(
+                f"an upload of {max_bytes} bytes takes {parts} parts of {self.part_size} "
+                f"bytes, more than S3's {MAX_PARTS}"
+            )
+        full = self.prefix + check_key(key)
+        with self._errors("start multipart upload of", key):
+            upload_id = str(
+                self._client.create_multipart_upload(Bucket=self.bucket, Key=full)["UploadId"]
+            )
+            urls = tuple(
+                self._client.generate_presigned_url(
+                    "upload_part",
+                    Params={
+                        "Bucket": self.bucket,
+                        "Key": full,
+                        "UploadId": upload_id,
+                        "PartNumber": n,
+                    },
+                    ExpiresIn=expires_s,
+                )
+                for n in range(1, parts + 1)
+            )
+        return PresignedUpload(upload_id, self.part_size, urls)
+
+    def complete_presigned(self, key: str, upload_id: str, size: int) -> int:
+        full = self.prefix + check_key(key)
+        listed: list[tuple[int, int, str]] = []
+        paginator = self._client.get_paginator("list_parts")
+        with self._errors("list the parts of", key):
+            for page in paginator.paginate(Bucket=self.bucket, Key=full, UploadId=upload_id):
+                for p in page.get("Parts", ()):
+                    listed.append((int(p["PartNumber"]), int(p["Size"]), str(p["ETag"])))
+        listed.sort()
+        numbers = [n for n, _, _ in listed]
+        held = sum(n for _, n, _ in listed)
+        if numbers != list(range(1, len(listed) + 1)) or held != size:
+            raise ValueError(
+                f"the upload holds parts {numbers[:5]}{'...' if len(numbers) > 5 else ''} of "
+                f"{held} bytes in all, not {size} bytes in parts 1, 2, ..."
+            )
+        if not listed:  # S3 completes no upload without parts: the empty blob, put
+            self.abort_presigned(key, upload_id)
+            return self.put_stream(key, [])
+        with self._errors("complete multipart upload of", key):
+            self._client.complete_multipart_upload(
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e} for n, _, e in listed]},
+            )
+        return size
+
+    def abort_presigned(self, key: str, upload_id: str) -> None:
+        from botocore.exceptions import ClientError
+
+        full = self.prefix + check_key(key)
+        with self._errors("abort multipart upload of", key):
+            try:
+                self._probe.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+            except ClientError as exc:
+                if _code(exc) != "NoSuchUpload":
+                    raise
+
+    def abort_presigned_before(self, older_than_s: float) -> int:
+        cutoff = time.time() - older_than_s
+        stale = [
+            up
+            for up in self.list_open_uploads()
+            if (since := presigned_since(up.key)) is not None and since < cutoff
+        ]
+        for up in stale:
+            self.abort_presigned(up.key, up.upload_id)
+        return len(stale)
 
     def discard(self, key: str) -> None:
         full = self.prefix + check_key(key)
