@@ -69,6 +69,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# torch's OpenMP threads spin-wait by default: with other work on the cores, training the
+# bench's models ran about 20x slower (seen on this project's shared 2-core machine); it
+# must be set before torch is imported
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import numpy as np
 import torch
 import zstandard
