@@ -359,7 +359,9 @@ def test_lossy_saves_pair_every_weight_through_the_callback(
     # besides the module's, the one fp32 tensor of the checkpoint: ModelCheckpoint's
     # kth_value, a scalar, stays exact (no optimizer holds it)
     scalars = 1
-    for run, with_callback in (("lit-named", True), ("lit-unnamed", False)):
+    mode = "async" if async_io else "sync"  # one service for both: runs of their own
+    for name, with_callback in (("named", True), ("unnamed", False)):
+        run = f"lit-{name}-{mode}"
         io = CkptStoreCheckpointIO(service.url, run, lossy=True)
         every2 = ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)
         plugin = AsyncCheckpointIO(io) if async_io else io

@@ -199,7 +199,7 @@ def test_the_archival_defaults_and_the_resume_safe_preset() -> None:
         "exact_moments": False,
         "step": 2.5,
     }
-    assert Lossy.RESUMABLE == Lossy(moment_prune=0.8, step=0.5)
+    assert Lossy(moment_prune=0.8, step=0.5) == Lossy.RESUMABLE
     assert Lossy.from_json(Lossy.RESUMABLE.to_json()) == Lossy.RESUMABLE
     assert "RESUMABLE" not in Lossy().to_json()
     with pytest.raises(InvalidRequest, match="unknown lossy parameter"):
