@@ -143,8 +143,11 @@ def roles(pairs: list[Pair]) -> dict[str, tuple[lossy.Role, Pair]]:
 Chain = Iterator[tuple[int, dict[str, np.ndarray]]]  # (stored bytes, reconstruction) per ckpt
 
 
-def chain_ours(flats: list[Flat], pairs: list[Pair], params: Lossy, verify: bool) -> Chain:
-    """The service's lossy saves of checkpoints 1.. (0 stored exactly)."""
+def chain_ours(
+    flats: list[Flat], pairs: list[Pair], params: Lossy, verify: bool, by_role: dict[str, int]
+) -> Chain:
+    """The service's lossy saves of checkpoints 1.. (0 stored exactly); ``by_role`` sums the
+    stored bytes of weights, of each moment and of everything else."""
     by_name = roles(pairs)
     prev = dict(flats[0].arrays)
     for flat in flats[1:]:
@@ -153,10 +156,13 @@ def chain_ours(flats: list[Flat], pairs: list[Pair], params: Lossy, verify: bool
         for name, raw in flat.arrays.items():
             role = by_name.get(name)
             if role is None or flat.dtypes[name] != "F32":
-                size += lossless_size(raw, prev.get(name), itemsize(flat.dtypes[name]))
+                n = lossless_size(raw, prev.get(name), itemsize(flat.dtypes[name]))
+                size += n
+                by_role["other"] = by_role.get("other", 0) + n
                 rec[name] = raw
                 continue
             kind, pair = role
+            before = size
             out = np.empty_like(raw)
             vname = pair.exp_avg_sq
             for k in range(0, len(raw), CHUNK):
@@ -172,6 +178,7 @@ def chain_ours(flats: list[Flat], pairs: list[Pair], params: Lossy, verify: bool
                     assert lossy.decode(payload, b, len(r)).tobytes() == recon.tobytes()
                 size += len(payload)
                 out[k : k + CHUNK] = recon
+            by_role[kind] = by_role.get(kind, 0) + size - before
             rec[name] = out
         yield size, rec
         prev = rec
@@ -225,29 +232,27 @@ def _label(p: Lossy) -> str:
 
 
 def settings(default: Lossy) -> list[Setting]:
-    """The sweep: the uniform quantizer's step from fine to coarse with 80% and 95% of the
-    moments pruned; the default with exact moments; the k-means codebook of the earlier
-    defaults (4 bits) beside it; weight pruning at 50%. Resumed from: the default, a
-    coarser step, harder moment pruning, exact moments. ExCP at the reference code's
-    alpha and at a stronger one."""
-    coarse = replace(default, step=2.0)
-    hard = replace(default, moment_prune=0.95, step=2.0)
-    exact = replace(default, exact_moments=True)
-    resumed = [default, coarse, hard, exact]
-    ours = [
-        default,
-        replace(default, step=1.0),
-        coarse,
-        replace(default, moment_prune=0.95, step=1.0),
-        hard,
-        replace(default, moment_prune=0.95, step=4.0),
-        replace(default, weight_prune=0.5, moment_prune=0.95, step=2.0),
-        replace(default, step=None),  # the codebook of the earlier defaults
-        exact,
+    """The sweep: the uniform quantizer's step from fine to coarse with 80% to 99.9% of
+    the moments pruned (the moments do not enter the eval loss: with no weight pruning they
+    set the ratio and the resume only). Resumed from: the resume-safe preset
+    (:data:`ckptstore_core.lossy.RESUMABLE`), a coarser step, the archival candidates.
+    ExCP at the reference code's alpha and at stronger ones."""
+    base = replace(default, weight_prune=0.0, exact_moments=False)
+    grid = [  # (moment_prune, step, resumed)
+        (0.8, 0.5, True),
+        (0.8, 1.0, True),
+        (0.95, 2.0, False),
+        (0.99, 2.0, True),
+        (0.999, 2.0, True),
+        (0.999, 2.5, False),
+        (0.999, 3.0, False),
     ]
-    out = [Setting("ours", _label(p), p, resume=p in resumed) for p in ours]
-    grid = ((5e-5, 2.0), (1e-3, 2.0))
-    out += [Setting("excp", q.label(), q) for q in (excp.ExCP(a, b) for a, b in grid)]
+    ours = [(replace(base, moment_prune=m, step=st), r) for m, st, r in grid]
+    if all(p != default for p, _ in ours):
+        ours.insert(0, (default, True))
+    out = [Setting("ours", _label(p), p, resume=r) for p, r in ours]
+    excp_grid = ((5e-5, 2.0), (2e-4, 2.0), (1e-3, 2.0))
+    out += [Setting("excp", q.label(), q) for q in (excp.ExCP(a, b) for a, b in excp_grid)]
     return out
 
 
@@ -314,9 +319,10 @@ def measure_run(
     }
     for s in settings(default):
         t0 = time.perf_counter()
+        by_role: dict[str, int] = {}
         if s.method == "ours":
             assert isinstance(s.params, Lossy)
-            chain = chain_ours(flats, pairs, s.params, verify=s.params == default)
+            chain = chain_ours(flats, pairs, s.params, s.params == default, by_role)
         else:
             assert isinstance(s.params, excp.ExCP)
             chain = chain_excp(flats, pairs, s.params)
@@ -337,6 +343,7 @@ def measure_run(
             "stored_bytes_per_ckpt": sizes,
             "mean_stored_bytes": per,
             "ratio": raw_state / per,
+            "stored_bytes_by_role": {k: v / len(sizes) for k, v in by_role.items()},
             "eval_change_pct": changes,
             "max_eval_change_pct": max(changes),
             "resume_final_change_pct": resumed,

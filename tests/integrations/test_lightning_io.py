@@ -321,3 +321,70 @@ def test_async_checkpoint_io_composes(service: Service, tmp_path: Path) -> None:
     assert sorted(stored) == [2, 4]
     for step, expected in stored.items():
         assert_same_state(expected, io.load_checkpoint(f"ckptstore://lit-async/{step}"))
+
+
+class TwoGroupModule(pl.LightningModule):
+    """Two same-shape hidden layers under an AdamW of two param groups, the no-decay group
+    (biases) first, as real scripts build it: the optimizer's ids follow the groups, and
+    shapes alone cannot tell the layers apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(8, 96), nn.Tanh(), nn.Linear(96, 96), nn.Tanh(), nn.Linear(96, 96)
+        )
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
+        x, y = batch
+        return F.mse_loss(self.net(x).sum(1, keepdim=True), y)
+
+    def configure_optimizers(self) -> Any:
+        params = list(self.parameters())
+        no_decay = [p for p in params if p.dim() < 2]
+        decay = [p for p in params if p.dim() >= 2]
+        groups = [{"params": no_decay, "weight_decay": 0.0}, {"params": decay}]
+        return torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("async_io", [False, True], ids=["sync", "async"])
+def test_lossy_saves_pair_every_weight_through_the_callback(
+    service: Service, tmp_path: Path, caplog: pytest.LogCaptureFixture, async_io: bool
+) -> None:
+    """With ``io.callback`` among the Trainer's callbacks each save names the optimizer's
+    ids from the live module and optimizer: every weight pairs with its moments
+    (docs/lossy.md#which-weights-pair). Without it only the shapes no other weight has
+    pair, the rest stays exact, and the plugin says why."""
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    n_params, unique = 6, 1  # only the first Linear's weight has a shape of its own
+    # besides the module's, the one fp32 tensor of the checkpoint: ModelCheckpoint's
+    # kth_value, a scalar, stays exact (no optimizer holds it)
+    scalars = 1
+    mode = "async" if async_io else "sync"  # one service for both: runs of their own
+    for name, with_callback in (("named", True), ("unnamed", False)):
+        run = f"lit-{name}-{mode}"
+        io = CkptStoreCheckpointIO(service.url, run, lossy=True)
+        every2 = ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)
+        plugin = AsyncCheckpointIO(io) if async_io else io
+        callbacks = [io.callback, every2] if with_callback else [every2]
+        torch.manual_seed(0)
+        trainer(tmp_path / run, 2, [plugin], callbacks).fit(TwoGroupModule(), data())
+        with CheckpointClient(service.url) as client:
+            infos = client.list(run)
+        assert [i.step for i in infos] == [2, 4, 6, 8]
+        for info in infos:
+            assert info.pairing is not None, info.step
+            pairs = (info.pairing["with_moments"], info.pairing["exact"])
+            if with_callback:
+                assert pairs == (n_params, scalars) and info.pairing["exact_bytes"] == 4
+                assert "integer ids named by the caller, 2 param groups" in info.pairing["layout"]
+            else:
+                assert pairs == (unique, n_params - unique + scalars)
+                assert "integer ids without param_names" in info.pairing["layout"]
+        # the chain's first is exact; unnamed, only a weight too small to be lossy paired
+        assert all((i.lossy is not None) == with_callback for i in infos[1:])
+    warned = messages(caplog, "without its .callback")
+    assert len(warned) == 1 and "lossy=True" in warned[0]
+    # the callback's live objects are not pickled (ddp_spawn): the plugin still is
+    io = CkptStoreCheckpointIO(service.url, "lit-named", lossy=True)
+    io.callback._model = nn.Linear(1, 1)
+    assert pickle.loads(pickle.dumps(io)).callback.live() == (None, None)

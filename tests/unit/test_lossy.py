@@ -189,6 +189,23 @@ def test_corrupt_payloads_are_typed_errors() -> None:
         decode(payload, None, N)  # an additive chunk needs its base
 
 
+def test_the_archival_defaults_and_the_resume_safe_preset() -> None:
+    """What bench/lossy.py chose (docs/lossy.md#benchmark): ``lossy=True`` archives (>= 40x
+    within +0.5% eval loss), ``Lossy.RESUMABLE`` resumes within 1%; neither is a field."""
+    assert Lossy().to_json() == {
+        "weight_prune": 0.0,
+        "moment_prune": 0.999,
+        "bits": 4,
+        "exact_moments": False,
+        "step": 2.5,
+    }
+    assert Lossy(moment_prune=0.8, step=0.5) == Lossy.RESUMABLE
+    assert Lossy.from_json(Lossy.RESUMABLE.to_json()) == Lossy.RESUMABLE
+    assert "RESUMABLE" not in Lossy().to_json()
+    with pytest.raises(InvalidRequest, match="unknown lossy parameter"):
+        Lossy.from_json({"RESUMABLE": True})
+
+
 def test_parameters_json() -> None:
     assert Lossy.from_json(True) == Lossy()
     custom = Lossy(weight_prune=0.5, moment_prune=0.25, bits=3, exact_moments=True)

@@ -95,7 +95,7 @@ def test_lossy_after_is_no_deletion_rule() -> None:
 
 
 def test_lossy_policy_json_round_trip_and_refusals() -> None:
-    params = Lossy(weight_prune=0.5, moment_prune=0.7, bits=3, exact_moments=True)
+    params = Lossy(weight_prune=0.5, moment_prune=0.7, bits=3, exact_moments=True, step=0.5)
     policy = RetentionPolicy(keep_last=4, lossy_after=2, lossy=params)
     assert RetentionPolicy.from_json(policy.to_json()) == policy
     assert policy.to_json()["lossy"] == params.to_json()

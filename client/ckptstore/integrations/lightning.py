@@ -45,6 +45,19 @@ Values
     or an enum in the hyper-parameters, say) raises ``TypeError`` naming its key path before
     anything is sent.
 
+Lossy saves and pairing
+    ``CkptStoreCheckpointIO(url, run, lossy=True)`` stores every checkpoint in the lossy tier
+    (docs/lossy.md). A lossy save (or a later archival, ``lossy_after``) pairs each weight
+    with its Adam moments by the names of the live module and optimizers, which a
+    ``CheckpointIO`` never sees: put the plugin's :attr:`~CkptStoreCheckpointIO.callback` in
+    the Trainer's callbacks too, and each save passes them (``model=``, ``optimizer=``)::
+
+        io = CkptStoreCheckpointIO(url, "my-run", lossy=True)
+        trainer = Trainer(plugins=[io], callbacks=[io.callback, ModelCheckpoint(...)])
+
+    Without it only what the checkpoint itself proves pairs (with two param groups, about
+    nothing: the listing's ``pairing`` says so), and the first lossy save logs a warning.
+
 Deleting
     :meth:`CkptStoreCheckpointIO.remove_checkpoint` (ModelCheckpoint's ``save_top_k``) and a
     path saved again at a newer step (``last.ckpt``) release the step the path named; a step
@@ -69,11 +82,14 @@ from typing import Any, Final
 
 from ckptstore.client import CheckpointClient
 from ckptstore_core.errors import CheckpointExists, CheckpointPinned, Forbidden, NotFound
+from ckptstore_core.lossy import Lossy
 from ckptstore_core.names import check_run_name
 
 try:
+    import pytorch_lightning as pl
     import torch
     from lightning_fabric.utilities.data import AttributeDict as FabricAttributeDict
+    from pytorch_lightning.callbacks import Callback
     from pytorch_lightning.plugins.io import CheckpointIO
     from pytorch_lightning.utilities.parsing import AttributeDict
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever this runs
@@ -82,7 +98,14 @@ except ImportError as exc:  # pragma: no cover - the extra is installed wherever
         "pip install 'ckptstore[lightning]'"
     ) from exc
 
-__all__ = ["SCHEME", "TYPES_KEY", "CkptStoreCheckpointIO", "from_storable", "to_storable"]
+__all__ = [
+    "SCHEME",
+    "TYPES_KEY",
+    "CkptStoreCheckpointIO",
+    "LiveObjects",
+    "from_storable",
+    "to_storable",
+]
 
 #: Paths of the form ``ckptstore://run/step`` (or ``/latest``) name a stored checkpoint.
 SCHEME: Final = "ckptstore://"
@@ -130,6 +153,10 @@ class CkptStoreCheckpointIO(CheckpointIO):
     (logged at warning level), so one script both starts and resumes a run. Opt-in, as
     Hugging Face's ``missing_ok``: a mistyped run name or URL would otherwise start from
     scratch silently. An explicit step the service does not have still raises.
+
+    ``lossy``: ``True`` (the default parameters) or a :class:`ckptstore.Lossy` stores every
+    checkpoint in the lossy tier (docs/lossy.md); with :attr:`callback` among the Trainer's
+    callbacks each save names the optimizers' parameters (see the module's doc).
     """
 
     def __init__(
@@ -142,9 +169,15 @@ class CkptStoreCheckpointIO(CheckpointIO):
         backoff: float = 0.5,
         token: str | None = None,
         missing_ok: bool = False,
+        lossy: bool | Lossy | None = None,
     ) -> None:
         super().__init__()
         self.missing_ok = missing_ok
+        self.lossy = lossy
+        #: Put it in the Trainer's callbacks: it hands each save the live module and
+        #: optimizers, whose names pair the weights with their moments (module doc).
+        self.callback = LiveObjects()
+        self._told_about_pairing = False
         self.token = token  # None: CKPTSTORE_TOKEN, read where the client is made
         self.url = url
         self.run = check_run_name(run)
@@ -206,8 +239,20 @@ class CkptStoreCheckpointIO(CheckpointIO):
             )
         name = _path_key(path)
         stored = to_storable(checkpoint)
+        model, optimizers = self.callback.live()
+        if model is None and self.lossy and not self._told_about_pairing:
+            self._told_about_pairing = True
+            logger.warning(
+                "%s(lossy=%r) without its .callback in the Trainer's callbacks: the lossy "
+                "saves pair only what the checkpoint itself proves (the listing's 'pairing' "
+                "says what): Trainer(plugins=[io], callbacks=[io.callback, ...])",
+                type(self).__name__,
+                self.lossy,
+            )
         try:
-            self.client.save(self.run, step, stored)
+            self.client.save(
+                self.run, step, stored, lossy=self.lossy, model=model, optimizer=optimizers
+            )
         except TypeError as exc:
             raise TypeError(_unstorable(name, exc)) from exc
         except CheckpointExists as exc:
@@ -336,6 +381,29 @@ class CkptStoreCheckpointIO(CheckpointIO):
                 f"stored one as {self.checkpoint_path()!r} or {self.checkpoint_path(1000)!r}"
             )
         return self.run, saved
+
+
+class LiveObjects(Callback):
+    """The callback of a :class:`CkptStoreCheckpointIO` (its ``callback``): before each save
+    (``on_save_checkpoint``) it records the LightningModule and the Trainer's optimizers,
+    whose ``state_dict``s the checkpoint holds, for the plugin's save to name. Holds them
+    until the next save; not pickled (``ddp_spawn``: each process records its own)."""
+
+    def __init__(self) -> None:
+        self._model: torch.nn.Module | None = None
+        self._optimizers: list[torch.optim.Optimizer] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_model": None, "_optimizers": None}
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._model, self._optimizers = pl_module, list(trainer.optimizers)
+
+    def live(self) -> tuple[torch.nn.Module | None, list[torch.optim.Optimizer] | None]:
+        """The module and optimizers recorded at the last save (None, None: none yet)."""
+        return self._model, self._optimizers
 
 
 class _NoCheckpoint(dict[str, Any]):
