@@ -30,6 +30,7 @@ from ckptstore_core.errors import (
     TooManyUploads,
     Unauthorized,
     UnsupportedDtype,
+    UrlExpired,
 )
 from ckptstore_core.lossy import Lossy
 
@@ -65,6 +66,7 @@ __all__ = [
     "Transport",
     "Unauthorized",
     "UnsupportedDtype",
+    "UrlExpired",
 ]
 
 
