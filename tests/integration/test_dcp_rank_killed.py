@@ -34,6 +34,7 @@ from sqlalchemy import Engine, create_engine, select, text, update
 
 from ckptstore import CheckpointClient
 from ckptstore_service.catalog.models import PARTS, Checkpoint, Run
+from ckptstore_service.names import parse_blob_key
 from ckptstore_service.settings import Settings
 from support import dcp_ranks
 from support.serviceproc import Service
@@ -98,7 +99,11 @@ def step_rows(engine: Engine, step: int) -> StepRows:
 def blobs_of_step(data_dir: Path, step: int) -> set[str]:
     """Keys of ``RUN/step``'s blobs in the blob folder, and any write still in progress."""
     root = data_dir / "blobs"
-    found = {p.relative_to(root).as_posix() for p in root.glob(f"runs/{RUN}/{step}-*.blob")}
+    found = {
+        key
+        for p in root.glob(f"runs/{RUN}/*.blob")
+        if (parsed := parse_blob_key(key := p.relative_to(root).as_posix())) and parsed.step == step
+    }
     tmp = root / ".tmp"
     return found | ({p.name for p in tmp.iterdir()} if tmp.is_dir() else set())
 

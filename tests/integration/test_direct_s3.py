@@ -2,26 +2,35 @@
 HTTP: the writer PUTs its encoded part to the bucket and registers its rows, the service
 completes the upload without reading it; loads come back through presigned ranged GETs. And
 the failures: a rank killed mid-upload, S3 down mid-upload, a registration that does not
-match what was uploaded, another run's key: nothing visible, ``latest`` unchanged, the
-sweep aborts what was left open, the next save works."""
+match what was uploaded, another run's key, a URL used past its expiry or for another
+key: nothing visible, ``latest`` unchanged, the sweep aborts what was left open, the next
+save works. moto checks no presigned URL, so the tests that need S3's checks reach it
+through a proxy that makes them (``support.presign``)."""
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import numpy as np
 import pytest
 import torch
 
-from ckptstore import CheckpointClient
+from ckptstore import CheckpointClient, Forbidden, UrlExpired
 from ckptstore.direct import DirectWriter, pieces_of, put_part
 from ckptstore.transport import Transport
 from ckptstore_core.errors import StorageUnavailable
 from ckptstore_core.wire import TensorPiece
+from ckptstore_service.names import BlobKey, parse_blob_key
+from ckptstore_service.storage.base import presigned_since
 from support.bodies import assert_error
+from support.faultproxy import FaultProxy
+from support.presign import PresignChecker
 from support.s3server import frozen, s3_store
 from support.serviceproc import Service
 from support.states import assert_same_state, training_states
@@ -43,9 +52,37 @@ def steps(url: str, run: str) -> list[int]:
     return [c["step"] for c in response.json()["checkpoints"]] if response.is_success else []
 
 
+@pytest.fixture
+def checked(backends: dict[str, str]) -> Iterator[tuple[dict[str, str], PresignChecker]]:
+    """``backends`` with the bucket reached through a proxy that checks presigned URLs as
+    S3 does (expiry, signature: ``support.presign``), and the checker: the service's
+    endpoint is the proxy, so the URLs it presigns name the proxy."""
+    moto = urlsplit(backends["CKPTSTORE_S3_ENDPOINT_URL"])
+    assert moto.hostname and moto.port
+    checker = PresignChecker(secret_key=os.environ["AWS_SECRET_ACCESS_KEY"])
+    with FaultProxy(moto.hostname, moto.port, http=True, check=checker) as proxy:
+        yield {**backends, "CKPTSTORE_S3_ENDPOINT_URL": proxy.url}, checker
+
+
+def upload_key(key: str, run: str, step: int) -> BlobKey:
+    """A presigned upload's key, checked to be one of ``run/step`` spread over prefixes:
+    ``runs/<run>/<spread>-<step>-<uuid>.<unix time>.presigned.blob``."""
+    parsed = parse_blob_key(key)
+    assert parsed is not None and parsed.since is not None, key
+    assert (parsed.run, parsed.step) == (run, step), key
+    assert key.startswith(f"runs/{run}/{parsed.spread}-{step}-{parsed.uid}."), key
+    assert parsed.spread == parsed.uid[:2]
+    assert presigned_since(key) == parsed.since  # what the sweep reads
+    assert abs(parsed.since - time.time()) < 600
+    return parsed
+
+
 def test_a_direct_save_goes_to_the_bucket_and_loads_back_exactly(
-    make_service: Callable[..., Service], backends: dict[str, str]
+    make_service: Callable[..., Service], checked: tuple[dict[str, str], PresignChecker]
 ) -> None:
+    """...through a peer that checks every presigned URL as S3 does: each one the service
+    handed out (part PUTs, ranged GETs) passes."""
+    backends, checker = checked
     env = {**backends, "CKPTSTORE_VERIFY_INTERVAL_S": "0.2", "CKPTSTORE_VERIFY_CPU_SHARE": "1"}
     service = make_service(env)
     big = torch.randn(4 << 20, generator=torch.Generator().manual_seed(0))  # 16 MiB
@@ -75,6 +112,14 @@ def test_a_direct_save_goes_to_the_bucket_and_loads_back_exactly(
     )
     assert judged == {1: "verified", 2: "verified", 3: "verified"}
     assert s3_store(backends).list_open_uploads() == []
+    # a PUT per part of each save, a ranged GET per window of each load: all checked, all
+    # taken
+    assert checker.checked >= 6 and checker.expired == checker.mismatched == 0
+    keys = list(s3_store(backends).iter_keys("runs/s3/"))  # one listing finds a run's keys
+    by_step = {parse_blob_key(k).step: k for k in keys}  # type: ignore[union-attr]
+    assert sorted(by_step) == [1, 2, 3], keys
+    for step, key in by_step.items():
+        upload_key(key, "s3", step)
 
 
 def _tensors(state: object) -> list[torch.Tensor]:
@@ -101,6 +146,7 @@ def test_a_rank_killed_mid_upload_leaves_nothing_and_the_sweep_aborts_its_upload
         base = f"{service.url}/v1/runs/killed/checkpoints/2/parts/rank-0"
         up = httpx.post(base + "/upload", json={"max_bytes": 20 << 20}).json()
         assert len(up["urls"]) == -(-(20 << 20) // up["part_size"])
+        upload_key(up["key"], "killed", 2)  # spread, and its time where the sweep reads it
         put_part(up["urls"][0], bytes(up["part_size"]), 30)  # the upload is open: it took it
         assert steps(service.url, "killed") == [1]
         wait_until(lambda: s3_store(backends).list_open_uploads() == [], 60, "the upload aborted")
@@ -120,6 +166,7 @@ def test_a_registration_that_does_not_match_its_upload_or_run_is_refused(
     service = make_service(backends)
     base = f"{service.url}/v1/runs/liar/checkpoints/1/parts/p"
     up = httpx.post(base + "/upload", json={"max_bytes": 100}).json()
+    upload_key(up["key"], "liar", 1)
     put_part(up["urls"][0], bytes(100), 30)
     writer = DirectWriter(workers=1)
     transport = Transport(service.url, retries=0)
@@ -143,10 +190,92 @@ def test_a_registration_that_does_not_match_its_upload_or_run_is_refused(
     # the upload holds 100 bytes: a row of 99 does not match it
     short = httpx.post(base + "/uploaded", json={**doc, "sizes": [99]})
     assert_error(short, 400, "invalid_stream")
-    # another run's or step's key
-    other = f"{service.url}/v1/runs/other/checkpoints/1/parts/p/uploaded"
-    assert_error(httpx.post(other, json={**doc, "sizes": [100]}), 400, "invalid_request")
+    # another run's or step's key: the run and the step are read from the spread key
+    for other_run, other_step in (("other", 1), ("liar", 2)):
+        other = f"{service.url}/v1/runs/{other_run}/checkpoints/{other_step}/parts/p/uploaded"
+        assert_error(httpx.post(other, json={**doc, "sizes": [100]}), 400, "invalid_request")
     assert steps(service.url, "liar") == []
+
+
+@pytest.mark.slow  # waits out the parts' TTL (30 s) for the sweep
+def test_an_expired_url_fails_the_save_typed_and_leaves_nothing(
+    make_service: Callable[..., Service], checked: tuple[dict[str, str], PresignChecker]
+) -> None:
+    """A part PUT past its URL's expiry: S3 answers 403 "Request has expired", the save
+    raises UrlExpired (not retried: the URLs are the plan's, plan again), nothing is
+    visible and ``latest`` stays; the upload it left open is aborted by the sweep; the next
+    save, with fresh URLs, works. S3's clock is moved on past the expiry rather than waited
+    for: a URL of ``CKPTSTORE_URL_TTL_S`` 60 s used 61 s "later"."""
+    backends, checker = checked
+    env = {
+        **backends,
+        "CKPTSTORE_URL_TTL_S": "60",
+        "CKPTSTORE_PARTS_TTL_S": "30",
+        "CKPTSTORE_SWEEP_INTERVAL_S": "0.5",
+    }
+    service = make_service(env)
+    store = s3_store(backends)
+    w = torch.arange(100_000, dtype=torch.float32)
+    with CheckpointClient(service.url, direct=True) as client:
+        client.save("late", 1, {"w": w})
+        up = httpx.post(
+            f"{service.url}/v1/runs/late/checkpoints/2/parts/probe/upload", json={"max_bytes": 1}
+        ).json()
+        assert up["url_ttl_s"] == 60
+        assert parse_qs(urlsplit(up["urls"][0]).query)["X-Amz-Expires"] == ["60"]  # signed
+        store.abort_presigned(up["key"], up["upload_id"])
+        checker.skew_s = 61
+        with pytest.raises(UrlExpired, match="expired"):
+            client.save("late", 2, {"w": w + 1})
+        assert checker.expired >= 1 and checker.mismatched == 0
+        assert steps(service.url, "late") == [1]
+        (left,) = store.list_open_uploads()  # the expired URLs' upload, for the sweep
+        upload_key(left.key, "late", 2)
+        checker.skew_s = 0  # the URLs handed out from now on are good (loads' GETs too)
+        assert torch.equal(client.load("late")["w"], w)  # latest unchanged
+        client.save("late", 2, {"w": w + 1})
+        assert torch.equal(client.load("late")["w"], w + 1)
+        wait_until(lambda: store.list_open_uploads() == [], 90, "the upload aborted")
+    assert steps(service.url, "late") == [1, 2]
+
+
+def test_a_url_serves_its_own_key_and_upload_only(
+    make_service: Callable[..., Service], checked: tuple[dict[str, str], PresignChecker]
+) -> None:
+    """A part URL edited to name another key (of the same run, of another run) or another
+    upload: S3 refuses it (403 SignatureDoesNotMatch, a Forbidden that is no UrlExpired)
+    and nothing lands; the URL as handed out is taken."""
+    backends, checker = checked
+    service = make_service(backends)
+    store = s3_store(backends)
+
+    def upload(run: str, step: int) -> dict[str, object]:
+        url = f"{service.url}/v1/runs/{run}/checkpoints/{step}/parts/p/upload"
+        answer = httpx.post(url, json={"max_bytes": 100})
+        assert answer.status_code == 200, answer.text
+        return answer.json()  # type: ignore[no-any-return]
+
+    mine, sibling, foreign = upload("mine", 1), upload("mine", 2), upload("theirs", 1)
+    url = str(mine["urls"][0])  # type: ignore[index]
+    assert str(mine["key"]) in url
+    edits = [
+        url.replace(str(mine["key"]), str(sibling["key"])),
+        url.replace(str(mine["key"]), str(foreign["key"])),
+        url.replace(str(mine["upload_id"]), str(sibling["upload_id"])),
+        url.replace("partNumber=1", "partNumber=2"),
+    ]
+    for n, edited in enumerate(edits, start=1):
+        assert edited != url
+        with pytest.raises(Forbidden, match="SignatureDoesNotMatch") as caught:
+            put_part(edited, bytes(100), 30)
+        assert not isinstance(caught.value, UrlExpired)
+        assert checker.mismatched == n
+    for other in (sibling, foreign):  # nothing landed in the other uploads
+        with pytest.raises(ValueError, match="holds parts"):
+            store.complete_presigned(str(other["key"]), str(other["upload_id"]), 100)
+    put_part(url, bytes(100), 30)
+    assert store.complete_presigned(str(mine["key"]), str(mine["upload_id"]), 100) == 100
+    assert store.get(str(mine["key"])) == bytes(100)
 
 
 def test_s3_down_mid_upload_fails_typed_and_the_next_save_works(

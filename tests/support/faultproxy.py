@@ -12,6 +12,7 @@ server, PostgreSQL) and break the link on demand.
 
     FaultProxy(host, port, http=True).slowdown(3)   # S3: the next 3 requests get a 503 SlowDown
     FaultProxy(host, port, http=True).drop_answers(b"/commit", 1)   # a lost answer, below
+    FaultProxy(host, port, http=True, check=fn)     # fn(head) -> (status, body) refuses it
 
 One asyncio event loop in a thread of the test process serves every connection: each
 accepted connection opens its own connection to the upstream and two pumps copy bytes
@@ -29,7 +30,10 @@ way S3 throttles: ``503`` with an ``<Error><Code>SlowDown</Code>`` XML body and
 dropped), and the connection is then closed cleanly. :meth:`FaultProxy.drop_answers` loses
 answers instead: the matching request goes through whole, the upstream does its work, and
 when its answer begins the connection is reset on both sides, the answer unsent: the
-window in which a service committed but its client never heard so.
+window in which a service committed but its client never heard so. ``check``, called with
+each request's head (request line and headers, as sent), refuses a request the way a
+SlowDown does when it returns ``(status line, XML body)``, e.g. ``("403 Forbidden", ...)``:
+how ``support.presign`` makes the peer check presigned URLs as S3 does.
 
 :meth:`FaultProxy.stop` closes the listener and aborts every connection; it is idempotent.
 """
@@ -101,9 +105,14 @@ class FaultProxy:
         *,
         http: bool = False,
         chunk_bytes: int = 64 << 10,
+        check: Callable[[bytes], tuple[str, bytes] | None] | None = None,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.http = http
+        if check is not None and not http:
+            raise ValueError("check needs FaultProxy(..., http=True)")
+        self._check = check
+        self.refused = 0  # requests ``check`` answered itself
         self.chunk_bytes = chunk_bytes
         self.port = 0
         self.accepted = self.resets = self.requests = self.slowdowns_sent = 0
@@ -369,7 +378,13 @@ class FaultProxy:
                     link.drop_answer = True
                 if self._slowdowns > 0:
                     self._slowdowns -= 1
-                    await self._answer_slowdown(link, reader, 0 if expect else length)
+                    self.slowdowns_sent += 1
+                    answer = ("503 Slow Down", SLOWDOWN_BODY)
+                    await self._answer(link, reader, 0 if expect else length, *answer)
+                    return
+                if self._check is not None and (refusal := self._check(head)) is not None:
+                    self.refused += 1
+                    await self._answer(link, reader, 0 if expect else length, *refusal)
                     return
                 await self._send(writer, head)
                 if chunked:  # not parsed: the rest of this connection goes through raw
@@ -386,20 +401,21 @@ class FaultProxy:
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             _rst(writer)
 
-    async def _answer_slowdown(self, link: _Link, reader: asyncio.StreamReader, body: int) -> None:
-        """Read and drop the request's ``body`` bytes, answer 503 SlowDown, close the
-        connection (FIN) and the upstream's; whatever the client still sends is read first,
-        so that the close is no RST."""
+    async def _answer(
+        self, link: _Link, reader: asyncio.StreamReader, body: int, status: str, xml: bytes
+    ) -> None:
+        """Read and drop the request's ``body`` bytes, answer ``status`` (``503 Slow Down``)
+        with the ``xml`` error, close the connection (FIN) and the upstream's; whatever the
+        client still sends is read first, so that the close is no RST."""
         if body:
             await reader.readexactly(body)
         head = (
-            "HTTP/1.1 503 Slow Down\r\n"
+            f"HTTP/1.1 {status}\r\n"
             "Content-Type: application/xml\r\n"
-            f"Content-Length: {len(SLOWDOWN_BODY)}\r\n"
+            f"Content-Length: {len(xml)}\r\n"
             "Connection: close\r\n\r\n"
         ).encode()
-        self.slowdowns_sent += 1
-        link.client.write(head + SLOWDOWN_BODY)
+        link.client.write(head + xml)
         await link.client.drain()
         if link.upstream is not None:
             link.upstream.close()

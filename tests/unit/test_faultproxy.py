@@ -1,8 +1,9 @@
 """The fault-injecting proxy of the fault suite (support.faultproxy) does what it says:
 forwards bytes both ways unchanged, delays by its latency, stalls without closing, resets
 with a RST (seen as "connection reset", not as an EOF), refuses new connections, answers
-S3's 503 SlowDown to exactly the next N HTTP requests, and loses the answers of the next N
-matching requests after forwarding them."""
+S3's 503 SlowDown to exactly the next N HTTP requests, loses the answers of the next N
+matching requests after forwarding them, and answers itself the requests its ``check``
+refuses."""
 
 from __future__ import annotations
 
@@ -175,6 +176,46 @@ def test_slowdown_answers_the_next_n_requests_then_forwards() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_check_answers_the_requests_it_refuses_and_forwards_the_others() -> None:
+    """``check`` sees each request's head: what it refuses gets its answer (the body read
+    and dropped, never forwarded), the rest goes to the upstream."""
+    got: list[bytes] = []
+    heads: list[bytes] = []
+
+    class Recording(_Ok):
+        def do_PUT(self) -> None:
+            got.append(self.path.encode())
+            super().do_PUT()
+
+    def check(head: bytes) -> tuple[str, bytes] | None:
+        heads.append(head)
+        return ("403 Forbidden", b"<Error>no</Error>") if b"/refused" in head else None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recording)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with FaultProxy("127.0.0.1", server.server_address[1], http=True, check=check) as proxy:
+            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+            conn.request("PUT", "/b/refused?x=1", body=b"dropped")
+            response = conn.getresponse()
+            assert (response.status, response.read()) == (403, b"<Error>no</Error>")
+            assert response.getheader("Connection") == "close"
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+            conn.request("PUT", "/b/taken", body=b"kept")
+            assert conn.getresponse().read() == b"kept"
+            conn.close()
+            assert (proxy.refused, proxy.requests) == (1, 2)
+        assert got == [b"/b/taken"]
+        assert heads[0].startswith(b"PUT /b/refused?x=1 HTTP/1.1\r\n")
+        assert heads[0].endswith(b"\r\n\r\n")
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(ValueError, match="http=True"):
+        FaultProxy("127.0.0.1", 1, check=check)
 
 
 def test_drop_answers_forwards_the_request_and_loses_its_answer() -> None:

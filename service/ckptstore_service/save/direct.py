@@ -27,7 +27,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import re
 import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -47,18 +46,17 @@ from ckptstore_core.wire import Header
 from ckptstore_service.catalog import Catalog, Lease, PartRecord
 from ckptstore_service.catalog.models import CLIENT
 from ckptstore_service.metrics import Metrics
-from ckptstore_service.names import blob_key, check_part_name
+from ckptstore_service.names import blob_key, check_part_name, parse_blob_key
 from ckptstore_service.save.header import body_parser, check_metadata
 from ckptstore_service.save.parts import PartSaver, unstored_part
 from ckptstore_service.save.plan import keyframe_after, parent_rows, planner_for
 from ckptstore_service.save.upload import PartTransaction
 from ckptstore_service.settings import Settings
-from ckptstore_service.storage import PRESIGNED_SUFFIX, BlobStore, presigned_key
+from ckptstore_service.storage import BlobStore, presigned_key
 
 __all__ = ["DirectSaver", "Uploaded"]
 
 log = logging.getLogger("ckptstore")
-_UPLOAD_KEY = re.compile(r"[0-9a-f]{32}\.[0-9]+" + re.escape(PRESIGNED_SUFFIX))
 
 _NO_BLOCK = np.empty(0, np.uint8)  # a planned chunk's buffer: the plan reads only its place
 
@@ -289,8 +287,8 @@ def _places(sizes: Sequence[int]) -> list[tuple[int, int]]:
 def _check_upload_key(run: str, step: int, key: str) -> None:
     """InvalidRequest unless ``key`` is one :meth:`DirectSaver.open_upload` makes for
     ``run/step`` (a writer registers no other run's or step's blob)."""
-    rest = key.removeprefix(f"runs/{run}/{step}-")
-    if rest == key or not _UPLOAD_KEY.fullmatch(rest):
+    parsed = parse_blob_key(key)
+    if parsed is None or parsed.since is None or (parsed.run, parsed.step) != (run, step):
         raise InvalidRequest(f"{key!r} is no presigned upload of {run}/{step}")
 
 

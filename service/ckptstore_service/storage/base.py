@@ -1,8 +1,9 @@
 """The blob store contract.
 
-A blob store maps string keys (``runs/<run>/<step>-<uuid>.blob``; ``/``-separated, no ``..``) to
-immutable byte strings. The service writes each checkpoint's encoded chunks as one blob and
-reads chunks back with ranged reads.
+A blob store maps string keys (``runs/<run>/<spread>-<step>-<uuid>.blob``, made by
+``ckptstore_service.names.blob_key``; ``/``-separated, no ``..``) to immutable byte strings.
+The service writes each checkpoint's encoded chunks as one blob and reads chunks back with
+ranged reads.
 
 Contract (every backend, checked by tests/storage/contract.py):
 

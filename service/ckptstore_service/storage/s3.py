@@ -209,6 +209,10 @@ class S3BlobStore(BlobStore):
             # Several calls share the client, each with up to max_concurrency requests.
             max_pool_connections=max(10, 4 * max_concurrency + 2),
             s3=addressing,
+            # presigned URLs too: botocore presigns with SigV2 in the older regions unless
+            # told (us-east-1 among them), which the regions opened since 2014 refuse, and
+            # whose signature covers the Content-Type a client's PUT sends
+            signature_version="s3v4",
         )
         self._client = session.client("s3", endpoint_url=endpoint_url, config=config)
         self._client.meta.events.register("request-created.s3", self._before_attempt)
