@@ -504,7 +504,7 @@ def run_machine(backend: Backend, examples: int) -> None:
 
 @pytest.mark.slow
 def test_lifecycle_state_machine_on_sqlite(tmp_path: Path) -> None:
-    run_machine(sqlite_backend(tmp_path), examples=8)  # about 60 s here
+    run_machine(sqlite_backend(tmp_path), examples=6)  # about 45 s here
 
 
 @pytest.mark.slow
@@ -513,4 +513,4 @@ def test_lifecycle_state_machine_on_sqlite(tmp_path: Path) -> None:
 def test_lifecycle_state_machine_on_postgres_and_s3(
     tmp_path: Path, backends: dict[str, str]
 ) -> None:
-    run_machine(postgres_s3_backend(tmp_path, backends), examples=5)  # about 60 s here
+    run_machine(postgres_s3_backend(tmp_path, backends), examples=3)  # about 60 s here
