@@ -207,3 +207,34 @@ def test_two_replicas_on_postgres_and_s3_a_save_retried_through_the_other(
         _save(b.url, "pinned", 1, other, grid=None)
     assert "'half@0,0' holds other content" in str(_failures(caught)[0])
     assert_same_state(_state(), CheckpointClient(b.url).load("pinned", 1))
+
+
+@pytest.mark.postgres
+@pytest.mark.s3
+def test_two_replicas_on_postgres_and_s3_a_step_saved_again_by_another_world_size(
+    make_service: Callable[..., Service], backends: dict[str, str], tmp_path: Path
+) -> None:
+    """2 FSDP ranks save step 1, each through a replica of its own (64-byte grid); one
+    process saves the full state it loads back as step 1 again, cut otherwise, through
+    each replica: accepted, no new S3 key; changed: a 409 naming the tensor."""
+    a, b = make_service(backends), make_service(backends)
+    store = s3_store(backends)
+    urls = [a.url, b.url]
+    dcp_ranks.launch(dcp_ranks.save_once, 2, urls, "worlds", str(tmp_path), False, 1, 64)
+    keys = sorted(store.iter_keys(""))
+    full = load_full(b.url, "worlds", 1)
+    for url in urls:
+        _save(url, "worlds", 1, full, grid=None)
+    assert sorted(store.iter_keys("")) == keys
+    assert _steps(a.url, "worlds") == [(1, 2)]
+    full["model"]["l1.weight"][5, 2] += 1
+    with pytest.raises(CheckpointException) as caught:
+        _save(a.url, "worlds", 1, full, grid=None)
+    (error,) = _failures(caught)
+    assert isinstance(error, CheckpointExists) and "'model.l1.weight" in str(error)
+    assert_same_state(load_full(a.url, "worlds", 1)["model"], _full_model(tmp_path, "worlds"))
+
+
+def _full_model(folder: Path, run: str) -> Any:
+    """The model state rank 0 gathered when it saved (``dcp_ranks.save_once``)."""
+    return torch.load(folder / f"full-{run}.pt", weights_only=True)["model"]

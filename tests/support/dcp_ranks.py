@@ -226,19 +226,20 @@ def save_once(
     rank: int,
     world: int,
     port: int,
-    url: str,
+    url: str | list[str],
     run: str,
     out: str,
     hsdp: bool,
     steps: int,
     grid_bytes: int | None = None,
 ) -> None:
-    """``steps`` training steps, then one dcp.save as step 1 (FSDP, or HSDP on 2x2)."""
+    """``steps`` training steps, then one dcp.save as step 1 (FSDP, or HSDP on 2x2); ``url``:
+    one, or several replicas' (the ranks spread over them)."""
     init(rank, world, port)
     model, opt = build(hsdp=hsdp)
     for step in range(1, steps + 1):
         train_step(model, opt, step)
-    writer = CkptStoreWriter(url, run, 1, grid_bytes=grid_bytes)
+    writer = CkptStoreWriter(replica(url, rank), run, 1, grid_bytes=grid_bytes)
     dcp.save(sharded(model, opt), storage_writer=writer)
     full = gathered(model, opt)
     if rank == 0:
