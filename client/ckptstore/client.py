@@ -516,13 +516,9 @@ class CheckpointClient:
     def _fetch(
         self, run: str, step: int | str, prefix: str | None, map_location: Any, show: bool
     ) -> tuple[dict[str, Any], dict[str, str], int | str]:
-        if self.direct:
-            from ckptstore.direct_load import load_direct  # the codec: only when used
-
-            got = self.transport.retry(lambda: load_direct(self.transport, run, step, prefix))
-            tensors = as_tensors(got.specs, got.buffers, map_location)
-            return tensors, got.metadata, got.step
-        return fetch_tensors(self.transport, run, step, prefix, map_location, show)
+        return fetch_tensors(
+            self.transport, run, step, prefix, map_location, show, self.direct, keep_base=True
+        )
 
 
 def fetch_tensors(
@@ -532,10 +528,22 @@ def fetch_tensors(
     prefix: str | None,
     map_location: Any,
     show: bool,
+    direct: bool = False,
+    *,
+    keep_base: bool = False,
 ) -> tuple[dict[str, Any], dict[str, str], int | str]:
     """The tensors of ``run/step`` whose names start with ``prefix`` (on ``map_location``),
     the header's metadata and the step served (``latest`` resolved); retried as
-    ``transport`` is configured, a progress bar if ``show``."""
+    ``transport`` is configured, a progress bar if ``show``. ``direct``: fetched as stored
+    and decoded here (no progress bar), and with ``keep_base`` kept as the run's base of
+    this process's next direct save (:func:`ckptstore.direct_load.load_direct`)."""
+    if direct:
+        from ckptstore.direct_load import load_direct  # the codec: only when used
+
+        got = transport.retry(
+            lambda: load_direct(transport, run, step, prefix, keep_base=keep_base)
+        )
+        return as_tensors(got.specs, got.buffers, map_location), got.metadata, got.step
     query = f"?{urlencode({'prefix': prefix})}" if prefix else ""
     header, buffers, served = transport.retry(
         lambda: _download(transport, checkpoint_path(run, step) + query, show, f"load {run}/{step}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import queue
 import tempfile
@@ -60,6 +61,7 @@ from ckptstore_core.wire import Header, TensorPiece, encode_header
 __all__ = [
     "BaseFile",
     "DirectWriter",
+    "LoadedBase",
     "Sent",
     "pieces_of",
     "put_part",
@@ -67,6 +69,7 @@ __all__ = [
     "tensor_pieces",
 ]
 
+log = logging.getLogger("ckptstore")
 Spec = tuple[str, str, Sequence[int]]  # a tensor's name, dtype and shape
 _BATCH = 1 << 20  # bytes of frames joined into one piece of the request body
 _DONE = object()
@@ -205,18 +208,120 @@ class DirectWriter:
         """``sent``'s raw bytes are its run's base from now on. Safe before its commit too:
         the next save diffs a tensor against them only where the plan's parent holds the
         same checksum (an uncommitted part's tensors match no parent)."""
+        self._install(sent.key, sent.base)
+
+    def loaded(self, url: str, run: str) -> LoadedBase:
+        """A base of ``run`` (at the service ``url``) made of the tensors a load decodes:
+        add each one as it is checked; closing it makes them the run's base, with the
+        previous base's tensors of other names (see :class:`LoadedBase`)."""
+        return LoadedBase(self, (url, run))
+
+    def _install(self, key: tuple[str, str], base: BaseFile) -> None:
         with self._lock:
-            old = self._bases.pop(sent.key, None)
+            old = self._bases.pop(key, None)
             if old is not None:
                 os.unlink(old.path)
-            self._bases[sent.key] = sent.base
+            self._bases[key] = base
             while len(self._bases) > self._keep:
                 _, dropped = self._bases.popitem(last=False)
                 os.unlink(dropped.path)
 
+    def _open_base(self, key: tuple[str, str]) -> tuple[BaseFile, int] | None:
+        """The run's base and a descriptor of its file (the caller closes it), opened under
+        the lock: a save's :meth:`keep` may unlink the file right after, the bytes stay."""
+        with self._lock:
+            base = self._bases.get(key)
+            return None if base is None else (base, os.open(base.path, os.O_RDONLY))
+
     def discard(self, sent: Sent) -> None:
         """``sent``'s raw bytes are no base."""
         os.unlink(sent.base.path)
+
+
+class LoadedBase:
+    """The tensors a load of a run decoded, written to a new base file as they come
+    (:meth:`add`: the caller checked each one against its checksum, the plan's own). On
+    :meth:`close` the file gets the previous base's tensors of other names too (copied,
+    :data:`PIECE` bytes at a time), then becomes the run's base: a load of some tensors
+    (a prefix, a DCP rank's pieces) replaces those and keeps the rest. A base is a saving,
+    never a condition: a file that cannot be written (a full disk) is dropped with a
+    warning and the load goes on."""
+
+    def __init__(self, writer: DirectWriter, key: tuple[str, str]) -> None:
+        self._writer = writer
+        self._key = key
+        self._tensors: list[TensorInfo] = []
+        self._written = 0
+        fd, self._path = tempfile.mkstemp(dir=writer._dir.name)
+        self._fd: int | None = fd
+
+    def __enter__(self) -> LoadedBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def add(self, tensor: TensorInfo, data: Buffer) -> None:
+        """``tensor``'s bytes, ``data``, checked against ``tensor.checksum`` already."""
+        if self._fd is None:
+            return
+        try:
+            _write_all(self._fd, memoryview(data).cast("B"), self._written)
+        except OSError as exc:
+            self._drop(exc)
+            return
+        self._tensors.append(replace(tensor, idx=len(self._tensors), begin=self._written))
+        self._written += tensor.nbytes
+
+    def close(self) -> None:
+        """The file, with the previous base's other tensors, is the run's base from now."""
+        if self._fd is None:
+            return
+        if not self._tensors:
+            self._drop(None)
+            return
+        try:
+            self._add_the_rest()
+            os.close(self._fd)
+        except OSError as exc:
+            self._drop(exc)
+            return
+        self._fd = None
+        self._writer._install(self._key, BaseFile(self._path, tuple(self._tensors)))
+
+    def _add_the_rest(self) -> None:
+        opened = self._writer._open_base(self._key)
+        if opened is None:
+            return
+        old, fd = opened
+        out = self._fd
+        assert out is not None
+        loaded = {t.name for t in self._tensors}
+        try:
+            for t in old.tensors:
+                if t.name in loaded:
+                    continue
+                for off in range(0, t.nbytes, PIECE):
+                    piece = os.pread(fd, min(PIECE, t.nbytes - off), t.begin + off)
+                    _write_all(out, memoryview(piece), self._written + off)
+                self._tensors.append(replace(t, idx=len(self._tensors), begin=self._written))
+                self._written += t.nbytes
+        finally:
+            os.close(fd)
+
+    def _drop(self, exc: OSError | None) -> None:
+        assert self._fd is not None
+        os.close(self._fd)
+        self._fd = None
+        os.unlink(self._path)
+        if exc is not None:
+            log.warning("the loaded state is kept as no base for the next direct save: %s", exc)
+
+
+def _write_all(fd: int, data: memoryview, at: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, at)
+        data, at = data[n:], at + n
 
 
 def _planner(base: BaseFile | None, plan: Plan, header: Header) -> Callable[[], DeltaPlanner]:

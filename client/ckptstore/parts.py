@@ -183,14 +183,13 @@ def select(
         if not left:
             return
         if direct:
-            from ckptstore.direct_load import load_direct  # the codec: only when used
+            from ckptstore.direct_load import each_direct  # the codec: only when used
 
-            got = load_direct(transport, run, step, names=list(left))
-            specs = encode_header(got.specs, {})[1].tensors
-            for spec, buf in zip(specs, got.buffers, strict=True):
-                consume(spec, buf)
-                del left[spec.name]
-                received += spec.nbytes
+            # one tensor held at a time: each consumed as soon as it is decoded
+            for t, buf in each_direct(transport, run, step, list(left), keep_base=True):
+                consume(TensorSpec(t.name, t.dtype, t.shape, 0, t.nbytes), buf)
+                del left[t.name]
+                received += t.nbytes
             return
         raw = json.dumps({"names": list(left)}, separators=(",", ":")).encode()
         with transport.stream("POST", path, [raw], len(raw), "application/json") as response:
