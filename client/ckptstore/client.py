@@ -95,12 +95,12 @@ class CheckpointClient:
     shows a tqdm bar on saves and loads. Safe to share between threads.
 
     ``direct=True`` encodes each save in this process (the core's chunk pipeline, against
-    the state this client last saved of the run) and sends the encoded chunks (straight to
-    S3 through presigned URLs where the service's store is S3): the service plans, checks
-    and commits, never encodes; loads fetch the stored chunks (straight from
+    the state this process last saved or loaded of the run) and sends the encoded chunks
+    (straight to S3 through presigned URLs where the service's store is S3): the service
+    plans, checks and commits, never encodes; loads fetch the stored chunks (straight from
     S3 through presigned URLs, else through the service unchanged) and decode them here, so
-    no replica decodes (docs/scale.md). ``None`` (the default) and ``False``: the service
-    encodes and decodes.
+    no replica decodes, and keep them as the base of the run's next direct save
+    (docs/scale.md). ``None`` (the default) and ``False``: the service encodes and decodes.
 
     ``transport``: a :class:`~ckptstore.Transport` to send through instead of one the
     client makes from ``url``, ``token``, ``timeout``, ``retries`` and ``backoff`` (passing

@@ -649,7 +649,8 @@ class CkptStoreReader(StorageReader):
     committed), the load fails before reading anything: pass an explicit step.
     ``direct=True`` (a client option): each rank fetches the stored chunks of its pieces
     (presigned S3 URLs, else through the service unchanged) and decodes them itself
-    (:mod:`ckptstore.direct_load`).
+    (:mod:`ckptstore.direct_load`), one piece held at a time, and keeps them as its base
+    for its next direct save (``CkptStoreWriter(direct=True)``: a delta at once).
     """
 
     def __init__(

@@ -4,18 +4,21 @@ itself and sends what it stored, so the service never encodes (docs/scale.md).
     plan   POST .../plan {"names": [...]}: the parent, the keyframe and depth rules, and the
            parent's tensors and chunks (ckptstore_core.encoded.Plan)
     encode the chunk pipeline (ckptstore_core.pipeline) against this writer's own copy of
-           the parent: the raw bytes of the last part it saved of the run, kept in a file
+           the parent: the raw bytes of the last part it saved of the run, or of the
+           tensors it last loaded of it, kept in a file
     send   PUT .../parts/{part}/encoded: header, one frame per chunk as it is encoded,
            then the tail of rows (ckptstore_core.encoded)
 
 **Bases.** A chunk is a delta only against bytes this writer holds and knows to be the
 parent's: the raw data of the last part it saved of the run (:class:`BaseFile`, written by
-the pipeline as it encodes, on local disk, not in memory), tensor by tensor where the plan's
-parent tensor has the same name, dtype, shape and checksum. Anything else is encoded
-self-contained (the first save of a process, a parent another writer saved). Memory: the
-pipeline's budget, ``2 * workers + 2`` chunks in flight (with the default 4 MiB chunks and
-2 workers, 24 MiB), plus the pieces queued for the socket; disk: one raw copy of the last
-part per run (the newest ``keep_runs`` runs).
+the pipeline as it encodes, on local disk, not in memory), with the tensors a direct load
+of the run decoded since (:class:`LoadedBase`: a restarted job's first save is a delta of
+what it loaded), tensor by tensor where the plan's parent tensor has the same name, dtype,
+shape and checksum. Anything else is encoded self-contained (the first save of a process
+that loaded nothing, a parent another writer saved). Memory: the pipeline's budget,
+``2 * workers + 2`` chunks in flight (with the default 4 MiB chunks and 2 workers,
+24 MiB), plus the pieces queued for the socket; disk: one raw copy of what was last saved
+or loaded per run (the newest ``keep_runs`` runs).
 """
 
 from __future__ import annotations

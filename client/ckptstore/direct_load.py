@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -60,8 +60,10 @@ class Loaded:
 @dataclass(frozen=True)
 class _Layout:
     """The answer of ``POST .../ranges``: the step served, its metadata and id, the
-    tensors asked for, every chunk their chains reach, and the blobs' reader."""
+    tensors asked for, every chunk their chains reach, and the blobs' reader; ``base``:
+    the service's URL and the run, the key of the run's base (:mod:`ckptstore.direct`)."""
 
+    base: tuple[str, str]
     step: int
     metadata: dict[str, str]
     checkpoint_id: int
@@ -86,7 +88,7 @@ def load_direct(
     (:meth:`ckptstore.direct.DirectWriter.loaded`)."""
     layout = _layout(transport, run, step, prefix, names)
     tensors, metadata = layout.tensors, layout.metadata
-    buffers = [buf for _, buf in _checked(layout, workers, keep_base, run)]
+    buffers = [buf for _, buf in _checked(layout, workers, keep_base)]
     view = full_view(metadata, tensors, prefix) if names is None else None
     if view is None:
         return Loaded([(t.name, t.dtype, t.shape) for t in tensors], buffers, metadata, layout.step)
@@ -103,11 +105,11 @@ def each_direct(
     workers: int | None = None,
     *,
     keep_base: bool = False,
-) -> Iterator[tuple[TensorInfo, memoryview]]:
+) -> Generator[tuple[TensorInfo, memoryview], None, None]:
     """The stored tensors ``names`` of ``run/step``, each with its bytes as soon as it is
     decoded and checked, in the service's order: the caller holds one tensor at a time
     (plus the decoder's read-ahead), not all of them. ``keep_base``: as :func:`load_direct`."""
-    yield from _checked(_layout(transport, run, step, None, names), workers, keep_base, run)
+    yield from _checked(_layout(transport, run, step, None, names), workers, keep_base)
 
 
 def _layout(
@@ -130,7 +132,15 @@ def _layout(
     reader = _Ranges(
         transport, checkpoint_path(run, served), keys, [b["url"] for b in doc["blobs"]]
     )
-    return _Layout(served, dict(doc["metadata"]), doc["checkpoint_id"], tensors, closure, reader)
+    return _Layout(
+        (transport.url, run),
+        served,
+        dict(doc["metadata"]),
+        doc["checkpoint_id"],
+        tensors,
+        closure,
+        reader,
+    )
 
 
 def _chunks(rows: list[list[Any]], keys: list[str]) -> list[ChunkInfo]:
@@ -141,7 +151,7 @@ def _chunks(rows: list[list[Any]], keys: list[str]) -> list[ChunkInfo]:
 
 
 def _checked(
-    layout: _Layout, workers: int | None, keep_base: bool, run: str
+    layout: _Layout, workers: int | None, keep_base: bool
 ) -> Iterator[tuple[TensorInfo, memoryview]]:
     """:func:`_decoded`, each tensor also added to the run's base where ``keep_base``."""
     if not keep_base:
@@ -149,7 +159,7 @@ def _checked(
         return
     from ckptstore.direct import shared_writer
 
-    with shared_writer().loaded(layout.reader.url, run) as base:
+    with shared_writer().loaded(*layout.base) as base:
         for t, buf in _decoded(layout, workers):
             base.add(t, buf)
             yield t, buf
@@ -210,7 +220,6 @@ class _Ranges:
 
     def __init__(self, transport: Transport, path: str, keys: list[str], urls: list[str | None]):
         self._transport = transport
-        self.url = transport.url
         self._path = path
         self._index = {k: i for i, k in enumerate(keys)}
         self._urls = urls

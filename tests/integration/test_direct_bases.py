@@ -204,3 +204,40 @@ def test_dcp_ranks_resumed_from_a_direct_load_save_deltas(
     assert list(model_only) == ["model"]
     expected = torch.load(out / "full-3.pt", weights_only=True)["model"]
     assert_same_state(plain_dicts(expected), model_only["model"], path="model at step 3")
+
+
+def test_a_direct_select_holds_one_tensor_at_a_time(
+    make_service: Callable[..., Service], monkeypatch: pytest.MonkeyPatch, new_process: Any
+) -> None:
+    """A DCP rank's direct read (``parts.select(direct=True)``) hands each tensor over as it
+    is decoded: with the decoder's read-ahead cut to 4 MiB, reading 12 tensors of 8 MiB
+    peaks near one tensor plus the read-ahead, not at the 96 MiB of all of them."""
+    import tracemalloc
+
+    import xxhash
+
+    import ckptstore.direct_load
+    from ckptstore import parts
+
+    service = make_service()
+    n, size = 12, 2 << 20  # fp32 elements: 8 MiB a tensor
+    state = {f"t{i:02d}": torch.arange(size, dtype=torch.float32) * (i + 1) for i in range(n)}
+    with CheckpointClient(service.url, direct=True) as client:
+        client.save("wide", 1, state)
+        names = [t["name"] for t in parts.info(client, "wide", 1)["tensors"]]
+        monkeypatch.setattr(ckptstore.direct_load, "_AHEAD", 4 << 20)
+        sums: dict[str, bytes] = {}
+
+        def consume(spec: Any, data: memoryview) -> None:
+            sums[spec.name] = xxhash.xxh3_128_digest(data)
+
+        tracemalloc.start()
+        try:
+            got = parts.select(client, "wide", 1, names, consume, direct=True)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert got == n * size * 4
+    expected = {k: xxhash.xxh3_128_digest(v.numpy().data) for k, v in state.items()}
+    assert sums == {name: expected[name] for name in names}
+    assert peak < 40 << 20, f"peak {peak / 2**20:.1f} MiB"
