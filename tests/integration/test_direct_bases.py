@@ -241,3 +241,38 @@ def test_a_direct_select_holds_one_tensor_at_a_time(
     expected = {k: xxhash.xxh3_128_digest(v.numpy().data) for k, v in state.items()}
     assert sums == {name: expected[name] for name in names}
     assert peak < 40 << 20, f"peak {peak / 2**20:.1f} MiB"
+
+
+def test_a_base_file_changed_on_disk_is_no_base_for_the_chunk_it_spoils(
+    make_service: Callable[..., Service],
+    new_process: Callable[[], None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A byte of the loaded base flipped on disk (the tensors' checksums matched when it
+    was written): the chunk it spoils fails the plan's chunk checksum, so it is encoded on
+    its own (and a warning says so) instead of as a delta that would decode wrong; the
+    other chunks stay deltas, the verifier passes the checkpoint, every step loads exactly."""
+    service = make_service(FAST_VERIFIER)
+    with CheckpointClient(service.url, direct=True) as client:
+        client.save("tampered", 1, state(1))
+        client.save("tampered", 2, state(2))
+    new_process()
+    with CheckpointClient(service.url, direct=True) as client:
+        client.load("tampered", 2)
+        writer = ckptstore.direct._shared
+        assert writer is not None
+        (base,) = writer._bases.values()
+        (master,) = [t for t in base.tensors if t.name == "master/w"]
+        with open(base.path, "r+b") as f:
+            f.seek(master.begin + 1000)
+            byte = f.read(1)
+            f.seek(master.begin + 1000)
+            f.write(bytes([byte[0] ^ 0x10]))
+        with caplog.at_level("WARNING", logger="ckptstore"):
+            client.save("tampered", 3, state(3))
+    assert "differs from the parent's chunk" in caplog.text
+    new_process()
+    listed = verified(service, "tampered")
+    assert {s: c["verification"] for s, c in listed.items()} == dict.fromkeys((1, 2, 3), "verified")
+    assert listed[3]["stored_bytes"] < listed[1]["stored_bytes"]
+    assert_loads_exactly(service, "tampered", {s: state(s) for s in (1, 2, 3)})
