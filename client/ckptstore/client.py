@@ -95,12 +95,12 @@ class CheckpointClient:
     shows a tqdm bar on saves and loads. Safe to share between threads.
 
     ``direct=True`` encodes each save in this process (the core's chunk pipeline, against
-    the state this client last saved of the run) and sends the encoded chunks (straight to
-    S3 through presigned URLs where the service's store is S3): the service plans, checks
-    and commits, never encodes; loads fetch the stored chunks (straight from
+    the state this process last saved or loaded of the run) and sends the encoded chunks
+    (straight to S3 through presigned URLs where the service's store is S3): the service
+    plans, checks and commits, never encodes; loads fetch the stored chunks (straight from
     S3 through presigned URLs, else through the service unchanged) and decode them here, so
-    no replica decodes (docs/scale.md). ``None`` (the default) and ``False``: the service
-    encodes and decodes.
+    no replica decodes, and keep them as the base of the run's next direct save
+    (docs/scale.md). ``None`` (the default) and ``False``: the service encodes and decodes.
 
     ``transport``: a :class:`~ckptstore.Transport` to send through instead of one the
     client makes from ``url``, ``token``, ``timeout``, ``retries`` and ``backoff`` (passing
@@ -516,13 +516,9 @@ class CheckpointClient:
     def _fetch(
         self, run: str, step: int | str, prefix: str | None, map_location: Any, show: bool
     ) -> tuple[dict[str, Any], dict[str, str], int | str]:
-        if self.direct:
-            from ckptstore.direct_load import load_direct  # the codec: only when used
-
-            got = self.transport.retry(lambda: load_direct(self.transport, run, step, prefix))
-            tensors = as_tensors(got.specs, got.buffers, map_location)
-            return tensors, got.metadata, got.step
-        return fetch_tensors(self.transport, run, step, prefix, map_location, show)
+        return fetch_tensors(
+            self.transport, run, step, prefix, map_location, show, self.direct, keep_base=True
+        )
 
 
 def fetch_tensors(
@@ -532,10 +528,22 @@ def fetch_tensors(
     prefix: str | None,
     map_location: Any,
     show: bool,
+    direct: bool = False,
+    *,
+    keep_base: bool = False,
 ) -> tuple[dict[str, Any], dict[str, str], int | str]:
     """The tensors of ``run/step`` whose names start with ``prefix`` (on ``map_location``),
     the header's metadata and the step served (``latest`` resolved); retried as
-    ``transport`` is configured, a progress bar if ``show``."""
+    ``transport`` is configured, a progress bar if ``show``. ``direct``: fetched as stored
+    and decoded here (no progress bar), and with ``keep_base`` kept as the run's base of
+    this process's next direct save (:func:`ckptstore.direct_load.load_direct`)."""
+    if direct:
+        from ckptstore.direct_load import load_direct  # the codec: only when used
+
+        got = transport.retry(
+            lambda: load_direct(transport, run, step, prefix, keep_base=keep_base)
+        )
+        return as_tensors(got.specs, got.buffers, map_location), got.metadata, got.step
     query = f"?{urlencode({'prefix': prefix})}" if prefix else ""
     header, buffers, served = transport.retry(
         lambda: _download(transport, checkpoint_path(run, step) + query, show, f"load {run}/{step}")

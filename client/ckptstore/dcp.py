@@ -649,7 +649,8 @@ class CkptStoreReader(StorageReader):
     committed), the load fails before reading anything: pass an explicit step.
     ``direct=True`` (a client option): each rank fetches the stored chunks of its pieces
     (presigned S3 URLs, else through the service unchanged) and decodes them itself
-    (:mod:`ckptstore.direct_load`).
+    (:mod:`ckptstore.direct_load`), one piece held at a time, and keeps them as its base
+    for its next direct save (``CkptStoreWriter(direct=True)``: a delta at once).
     """
 
     def __init__(
@@ -776,16 +777,20 @@ def load_full(
     *,
     prefix: str | None = None,
     map_location: Any = "cpu",
+    direct: bool | None = None,
     **client_options: Any,
 ) -> dict[str, Any]:
     """The full, unsharded state dict of DCP checkpoint ``step`` of ``run``, in one process
     without a process group (evaluation, conversion): what ``get_state_dict(...,
     options=StateDictOptions(full_state_dict=True))`` gave at save time, nested as saved.
     ``prefix`` keeps the entries whose flattened name (``"model.layer.weight"``) starts
-    with it and fetches only their shards."""
-    with CheckpointClient(url, **client_options) as client:
+    with it and fetches only their shards. ``direct=True``: the stored chunks are fetched
+    (straight from S3 through presigned URLs, else through the service unchanged) and
+    decoded here, as ``CheckpointClient(direct=True).load`` does; nothing is kept as a base
+    for a later save (a full load is no rank's resume)."""
+    with CheckpointClient(url, direct=direct, **client_options) as client:
         tensors, header_metadata, served = fetch_tensors(
-            client.transport, run, step, prefix, map_location, client.progress
+            client.transport, run, step, prefix, map_location, client.progress, client.direct
         )
     if header_metadata.get(LAYOUT_KEY) != FULL:
         raise InvalidRequest(

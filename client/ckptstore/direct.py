@@ -4,24 +4,28 @@ itself and sends what it stored, so the service never encodes (docs/scale.md).
     plan   POST .../plan {"names": [...]}: the parent, the keyframe and depth rules, and the
            parent's tensors and chunks (ckptstore_core.encoded.Plan)
     encode the chunk pipeline (ckptstore_core.pipeline) against this writer's own copy of
-           the parent: the raw bytes of the last part it saved of the run, kept in a file
+           the parent: the raw bytes of the last part it saved of the run, or of the
+           tensors it last loaded of it, kept in a file
     send   PUT .../parts/{part}/encoded: header, one frame per chunk as it is encoded,
            then the tail of rows (ckptstore_core.encoded)
 
 **Bases.** A chunk is a delta only against bytes this writer holds and knows to be the
 parent's: the raw data of the last part it saved of the run (:class:`BaseFile`, written by
-the pipeline as it encodes, on local disk, not in memory), tensor by tensor where the plan's
-parent tensor has the same name, dtype, shape and checksum. Anything else is encoded
-self-contained (the first save of a process, a parent another writer saved). Memory: the
-pipeline's budget, ``2 * workers + 2`` chunks in flight (with the default 4 MiB chunks and
-2 workers, 24 MiB), plus the pieces queued for the socket; disk: one raw copy of the last
-part per run (the newest ``keep_runs`` runs).
+the pipeline as it encodes, on local disk, not in memory), with the tensors a direct load
+of the run decoded since (:class:`LoadedBase`: a restarted job's first save is a delta of
+what it loaded), tensor by tensor where the plan's parent tensor has the same name, dtype,
+shape and checksum. Anything else is encoded self-contained (the first save of a process
+that loaded nothing, a parent another writer saved). Memory: the pipeline's budget,
+``2 * workers + 2`` chunks in flight (with the default 4 MiB chunks and 2 workers,
+24 MiB), plus the pieces queued for the socket; disk: one raw copy of what was last saved
+or loaded per run (the newest ``keep_runs`` runs).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import queue
 import tempfile
@@ -34,7 +38,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from ckptstore.transport import PIECE, Transport, store_error
+from ckptstore_core import codec
 from ckptstore_core.encoded import (
     CONTENT_TYPE,
     FRAME_SLACK,
@@ -47,6 +54,7 @@ from ckptstore_core.encoded import (
 )
 from ckptstore_core.errors import StorageUnavailable
 from ckptstore_core.pipeline import (
+    BaseChunk,
     Budget,
     Buffer,
     ChunkPipeline,
@@ -60,6 +68,7 @@ from ckptstore_core.wire import Header, TensorPiece, encode_header
 __all__ = [
     "BaseFile",
     "DirectWriter",
+    "LoadedBase",
     "Sent",
     "pieces_of",
     "put_part",
@@ -67,6 +76,7 @@ __all__ = [
     "tensor_pieces",
 ]
 
+log = logging.getLogger("ckptstore")
 Spec = tuple[str, str, Sequence[int]]  # a tensor's name, dtype and shape
 _BATCH = 1 << 20  # bytes of frames joined into one piece of the request body
 _DONE = object()
@@ -128,7 +138,7 @@ class DirectWriter:
         key = (transport.url, run)
         with self._lock:
             base = self._bases.get(key)  # one snapshot for the plan and the bytes
-        planner = _planner(base, plan, header)
+        planner, sums = _planner(base, plan, header)
         fd, raw_path = tempfile.mkstemp(dir=self._dir.name)
         os.close(fd)
         result: list[Stored] = []
@@ -142,7 +152,7 @@ class DirectWriter:
                     self._pool, Budget(self._workers, plan.chunk_bytes), plan.chunk_bytes,
                     plan.zstd_level,
                 )  # fmt: skip
-                bases = FileBases(old.fileno()) if base else None
+                bases = _CheckedBases(old.fileno(), sums, run) if base else None
                 yield prefix
                 run_it = lambda sink: pipeline.run(  # noqa: E731
                     header, data(), planner(), bases, raw.fileno(), sink
@@ -173,7 +183,7 @@ class DirectWriter:
                     self._pool, Budget(self._workers, plan.chunk_bytes), plan.chunk_bytes,
                     plan.zstd_level,
                 )  # fmt: skip
-                bases = FileBases(old.fileno()) if base else None
+                bases = _CheckedBases(old.fileno(), sums, run) if base else None
                 stored = pipeline.run(header, data(), planner(), bases, raw.fileno(), sink)
                 sizes = sink.finish()
             result[:] = [stored]
@@ -205,24 +215,129 @@ class DirectWriter:
         """``sent``'s raw bytes are its run's base from now on. Safe before its commit too:
         the next save diffs a tensor against them only where the plan's parent holds the
         same checksum (an uncommitted part's tensors match no parent)."""
+        self._install(sent.key, sent.base)
+
+    def loaded(self, url: str, run: str) -> LoadedBase:
+        """A base of ``run`` (at the service ``url``) made of the tensors a load decodes:
+        add each one as it is checked; closing it makes them the run's base, with the
+        previous base's tensors of other names (see :class:`LoadedBase`)."""
+        return LoadedBase(self, (url, run))
+
+    def _install(self, key: tuple[str, str], base: BaseFile) -> None:
         with self._lock:
-            old = self._bases.pop(sent.key, None)
+            old = self._bases.pop(key, None)
             if old is not None:
                 os.unlink(old.path)
-            self._bases[sent.key] = sent.base
+            self._bases[key] = base
             while len(self._bases) > self._keep:
                 _, dropped = self._bases.popitem(last=False)
                 os.unlink(dropped.path)
+
+    def _open_base(self, key: tuple[str, str]) -> tuple[BaseFile, int] | None:
+        """The run's base and a descriptor of its file (the caller closes it), opened under
+        the lock: a save's :meth:`keep` may unlink the file right after, the bytes stay."""
+        with self._lock:
+            base = self._bases.get(key)
+            return None if base is None else (base, os.open(base.path, os.O_RDONLY))
 
     def discard(self, sent: Sent) -> None:
         """``sent``'s raw bytes are no base."""
         os.unlink(sent.base.path)
 
 
-def _planner(base: BaseFile | None, plan: Plan, header: Header) -> Callable[[], DeltaPlanner]:
+class LoadedBase:
+    """The tensors a load of a run decoded, written to a new base file as they come
+    (:meth:`add`: the caller checked each one against its checksum, the plan's own). On
+    :meth:`close` the file gets the previous base's tensors of other names too (copied,
+    :data:`PIECE` bytes at a time), then becomes the run's base: a load of some tensors
+    (a prefix, a DCP rank's pieces) replaces those and keeps the rest. A base is a saving,
+    never a condition: a file that cannot be written (a full disk) is dropped with a
+    warning and the load goes on."""
+
+    def __init__(self, writer: DirectWriter, key: tuple[str, str]) -> None:
+        self._writer = writer
+        self._key = key
+        self._tensors: list[TensorInfo] = []
+        self._written = 0
+        fd, self._path = tempfile.mkstemp(dir=writer._dir.name)
+        self._fd: int | None = fd
+
+    def __enter__(self) -> LoadedBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def add(self, tensor: TensorInfo, data: Buffer) -> None:
+        """``tensor``'s bytes, ``data``, checked against ``tensor.checksum`` already."""
+        if self._fd is None:
+            return
+        try:
+            _write_all(self._fd, memoryview(data).cast("B"), self._written)
+        except OSError as exc:
+            self._drop(exc)
+            return
+        self._tensors.append(replace(tensor, idx=len(self._tensors), begin=self._written))
+        self._written += tensor.nbytes
+
+    def close(self) -> None:
+        """The file, with the previous base's other tensors, is the run's base from now."""
+        if self._fd is None:
+            return
+        if not self._tensors:
+            self._drop(None)
+            return
+        try:
+            self._add_the_rest()
+            os.close(self._fd)
+        except OSError as exc:
+            self._drop(exc)
+            return
+        self._fd = None
+        self._writer._install(self._key, BaseFile(self._path, tuple(self._tensors)))
+
+    def _add_the_rest(self) -> None:
+        opened = self._writer._open_base(self._key)
+        if opened is None:
+            return
+        old, fd = opened
+        out = self._fd
+        assert out is not None
+        loaded = {t.name for t in self._tensors}
+        try:
+            for t in old.tensors:
+                if t.name in loaded:
+                    continue
+                for off in range(0, t.nbytes, PIECE):
+                    piece = os.pread(fd, min(PIECE, t.nbytes - off), t.begin + off)
+                    _write_all(out, memoryview(piece), self._written + off)
+                self._tensors.append(replace(t, idx=len(self._tensors), begin=self._written))
+                self._written += t.nbytes
+        finally:
+            os.close(fd)
+
+    def _drop(self, exc: OSError | None) -> None:
+        assert self._fd is not None
+        os.close(self._fd)
+        self._fd = None
+        os.unlink(self._path)
+        if exc is not None:
+            log.warning("the loaded state is kept as no base for the next direct save: %s", exc)
+
+
+def _write_all(fd: int, data: memoryview, at: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, at)
+        data, at = data[n:], at + n
+
+
+def _planner(
+    base: BaseFile | None, plan: Plan, header: Header
+) -> tuple[Callable[[], DeltaPlanner], dict[int, bytes]]:
     """A planner against the parent's chunks whose bytes ``base`` holds: the tensors of the
     base file that match the plan's parent tensor exactly (name, dtype, shape, checksum), at
-    their place in the file (a fresh planner per attempt: it keeps state)."""
+    their place in the file (a fresh planner per attempt: it keeps state); and the raw
+    checksum of the parent's chunk at each place in the file (:class:`_CheckedBases`)."""
     held = {} if base is None else {(t.name, t.dtype, t.shape, t.checksum): t for t in base.tensors}
     tensors: dict[int, TensorInfo] = {}
     for t in plan.tensors:
@@ -230,6 +345,7 @@ def _planner(base: BaseFile | None, plan: Plan, header: Header) -> Callable[[], 
         if mine is not None:
             tensors[t.idx] = replace(t, begin=mine.begin)
     chunks = [c for c in plan.chunks if c.tensor_idx in tensors]
+    sums = {tensors[c.tensor_idx].begin + c.offset: c.checksum for c in chunks}
 
     def make() -> DeltaPlanner:
         return DeltaPlanner(
@@ -241,7 +357,32 @@ def _planner(base: BaseFile | None, plan: Plan, header: Header) -> Callable[[], 
             parent_chunks=chunks,
         )
 
-    return make
+    return make, sums
+
+
+class _CheckedBases:
+    """A base file's chunks, each checked against the raw checksum the plan gives for the
+    parent's chunk at that place before a delta rests on it: bytes that differ (a base file
+    changed on disk) are no base, their chunk is encoded on its own, and a warning says so.
+    The tensors' checksums matched already; this holds the invariant chunk by chunk, for
+    the cost of a hash (xxh3-128: 1-2% of zstd level 1's CPU on the same bytes)."""
+
+    def __init__(self, fd: int, sums: dict[int, bytes], run: str) -> None:
+        self._file = FileBases(fd)
+        self._sums = sums
+        self._run = run
+
+    def read(self, base: BaseChunk, into: np.ndarray) -> memoryview | None:
+        data = self._file.read(base, into)
+        if codec.checksum(data) == self._sums.get(base.file_offset):
+            return data
+        log.warning(
+            "this process's base of run %r differs from the parent's chunk at "
+            "byte %d of its file: that chunk is encoded on its own",
+            self._run,
+            base.file_offset,
+        )
+        return None
 
 
 _shared: DirectWriter | None = None

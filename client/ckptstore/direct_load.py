@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +40,7 @@ from ckptstore_core.errors import CorruptData, StorageUnavailable
 from ckptstore_core.pipeline.rows import ChunkInfo, TensorInfo
 from ckptstore_core.pipeline.sink import Buffer
 
-__all__ = ["Loaded", "load_direct"]
+__all__ = ["Loaded", "each_direct", "load_direct"]
 
 _AHEAD = 64 << 20  # decoded bytes queued ahead of the copy into the tensors' buffers
 _KEEP = 64 << 20  # decoded fp32 masters kept for their bf16/f16 copies
@@ -57,6 +57,21 @@ class Loaded:
     step: int
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """The answer of ``POST .../ranges``: the step served, its metadata and id, the
+    tensors asked for, every chunk their chains reach, and the blobs' reader; ``base``:
+    the service's URL and the run, the key of the run's base (:mod:`ckptstore.direct`)."""
+
+    base: tuple[str, str]
+    step: int
+    metadata: dict[str, str]
+    checkpoint_id: int
+    tensors: list[TensorInfo]
+    closure: dict[int, ChunkInfo]
+    reader: _Ranges
+
+
 def load_direct(
     transport: Transport,
     run: str,
@@ -64,14 +79,50 @@ def load_direct(
     prefix: str | None = None,
     names: Collection[str] | None = None,
     workers: int | None = None,
+    *,
+    keep_base: bool = False,
 ) -> Loaded:
     """The tensors of ``run/step`` under ``prefix`` (or the stored tensors ``names``, or
-    all), fetched and decoded here; one attempt (the caller retries)."""
+    all), fetched and decoded here; one attempt (the caller retries). ``keep_base``: the
+    stored tensors decoded become this process's base of the run for its next direct save
+    (:meth:`ckptstore.direct.DirectWriter.loaded`)."""
+    layout = _layout(transport, run, step, prefix, names)
+    tensors, metadata = layout.tensors, layout.metadata
+    buffers = [buf for _, buf in _checked(layout, workers, keep_base)]
+    view = full_view(metadata, tensors, prefix) if names is None else None
+    if view is None:
+        return Loaded([(t.name, t.dtype, t.shape) for t in tensors], buffers, metadata, layout.step)
+    # as a load's stream: no piece for an empty tensor (it has no chunks)
+    full = _per_output(view, view.stream(b for b in buffers if len(b)))
+    return Loaded(view.specs, full, view.metadata(metadata), layout.step)
+
+
+def each_direct(
+    transport: Transport,
+    run: str,
+    step: int,
+    names: Collection[str],
+    workers: int | None = None,
+    *,
+    keep_base: bool = False,
+) -> Generator[tuple[TensorInfo, memoryview], None, None]:
+    """The stored tensors ``names`` of ``run/step``, each with its bytes as soon as it is
+    decoded and checked, in the service's order: the caller holds one tensor at a time
+    (plus the decoder's read-ahead), not all of them. ``keep_base``: as :func:`load_direct`."""
+    yield from _checked(_layout(transport, run, step, None, names), workers, keep_base)
+
+
+def _layout(
+    transport: Transport,
+    run: str,
+    step: int | str,
+    prefix: str | None,
+    names: Collection[str] | None,
+) -> _Layout:
     path = checkpoint_path(run, step)
     body = {"prefix": prefix or None, "names": None if names is None else list(names)}
     doc = transport.call("POST", path + "/ranges", body, retried=False)
     served = int(doc["checkpoint"]["step"])
-    metadata: dict[str, str] = dict(doc["metadata"])
     tensors = [
         TensorInfo(i, n, d, tuple(sh), b, nb, bytes.fromhex(ck))
         for i, n, d, sh, b, nb, ck in doc["tensors"]
@@ -81,13 +132,15 @@ def load_direct(
     reader = _Ranges(
         transport, checkpoint_path(run, served), keys, [b["url"] for b in doc["blobs"]]
     )
-    buffers = _decoded(doc["checkpoint_id"], tensors, closure, reader, workers)
-    view = full_view(metadata, tensors, prefix) if names is None else None
-    if view is None:
-        return Loaded([(t.name, t.dtype, t.shape) for t in tensors], buffers, metadata, served)
-    # as a load's stream: no piece for an empty tensor (it has no chunks)
-    full = _per_output(view, view.stream(b for b in buffers if len(b)))
-    return Loaded(view.specs, full, view.metadata(metadata), served)
+    return _Layout(
+        (transport.url, run),
+        served,
+        dict(doc["metadata"]),
+        doc["checkpoint_id"],
+        tensors,
+        closure,
+        reader,
+    )
 
 
 def _chunks(rows: list[list[Any]], keys: list[str]) -> list[ChunkInfo]:
@@ -97,33 +150,55 @@ def _chunks(rows: list[list[Any]], keys: list[str]) -> list[ChunkInfo]:
     ]
 
 
-def _decoded(
-    checkpoint_id: int,
-    tensors: list[TensorInfo],
-    closure: dict[int, ChunkInfo],
-    reader: _Ranges,
-    workers: int | None,
-) -> list[memoryview]:
-    """Each tensor's bytes, decoded chunk by chunk and checked whole."""
+def _checked(
+    layout: _Layout, workers: int | None, keep_base: bool
+) -> Iterator[tuple[TensorInfo, memoryview]]:
+    """:func:`_decoded`, each tensor also added to the run's base where ``keep_base``."""
+    if not keep_base:
+        yield from _decoded(layout, workers)
+        return
+    from ckptstore.direct import shared_writer
+
+    with shared_writer().loaded(*layout.base) as base:
+        for t, buf in _decoded(layout, workers):
+            base.add(t, buf)
+            yield t, buf
+
+
+def _decoded(layout: _Layout, workers: int | None) -> Iterator[tuple[TensorInfo, memoryview]]:
+    """Each tensor with its bytes, decoded chunk by chunk and checked whole, in order, as
+    soon as its last chunk is decoded."""
+    tensors, closure = layout.tensors, layout.closure
     order = {t.idx: i for i, t in enumerate(tensors)}
     own = sorted(
-        (c for c in closure.values() if c.checkpoint_id == checkpoint_id and c.tensor_idx in order),
+        (
+            c
+            for c in closure.values()
+            if c.checkpoint_id == layout.checkpoint_id and c.tensor_idx in order
+        ),
         key=lambda c: (order[c.tensor_idx], c.offset),
     )
     check_tiling(tensors, own)
-    decoder = ChainDecoder(reader, closure, _KEEP)
+    decoder = ChainDecoder(layout.reader, closure, _KEEP)
     decoder.keep_masters(own)
-    # uninitialised: every byte is written by a decoded chunk (the tiling was checked)
-    buffers = [np.empty(t.nbytes, np.uint8) for t in tensors]
     with ThreadPoolExecutor(workers or min(4, os.cpu_count() or 2)) as pool:
-        for c, data in zip(own, decoded_ahead(pool, decoder, own, _AHEAD), strict=True):
-            buffers[order[c.tensor_idx]][c.offset : c.offset + c.raw_len] = np.frombuffer(
-                data, np.uint8
-            )
-    for t, buf in zip(tensors, buffers, strict=True):
-        if xxhash.xxh3_128_digest(buf.data) != t.checksum:
-            raise CorruptData(f"tensor {t.name!r} does not match its checksum")
-    return [buf.data for buf in buffers]
+        ahead = decoded_ahead(pool, decoder, own, _AHEAD)
+        try:
+            # the tiling was checked: each tensor's chunks come next, back to back
+            decoded = zip(own, ahead, strict=True)
+            for t in tensors:
+                # uninitialised: every byte is written by a decoded chunk
+                buf = np.empty(t.nbytes, np.uint8)
+                filled = 0
+                while filled < t.nbytes:
+                    c, data = next(decoded)
+                    buf[c.offset : c.offset + c.raw_len] = np.frombuffer(data, np.uint8)
+                    filled += c.raw_len
+                if xxhash.xxh3_128_digest(buf.data) != t.checksum:
+                    raise CorruptData(f"tensor {t.name!r} does not match its checksum")
+                yield t, buf.data
+        finally:
+            ahead.close()  # a consumer gone early: what is queued is cancelled
 
 
 def _per_output(view: FullView, pieces: Iterator[Piece]) -> list[memoryview]:

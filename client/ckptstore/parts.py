@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import closing
 from typing import Any
 from urllib.parse import quote
 
@@ -76,7 +77,7 @@ def put_part(
     whose bytes ``data()`` yields back to back (called again on each retry). Returns the
     service's JSON (``tensors``, ``raw_bytes``, ``stored_bytes``, ...). ``direct``: encoded
     here and sent encoded (:mod:`ckptstore.direct`), against what this process last sent
-    of the run."""
+    or loaded of the run."""
     transport = transport_of(client)
     if direct:
         return _put_encoded(transport, run, step, part, specs, data)
@@ -172,7 +173,9 @@ def select(
     ``consume(spec, data)`` as it arrives (``data`` is valid during the call only), checked
     against its checksum. Each tensor is consumed once: a retry after a cut connection asks
     for the rest only. Returns the bytes of tensor data received. ``direct``: their stored
-    chunks are fetched and decoded here (:mod:`ckptstore.direct_load`)."""
+    chunks are fetched and decoded here (:mod:`ckptstore.direct_load`), each tensor handed
+    over as soon as it is decoded (one held at a time), and kept as this process's base of
+    the run for its next direct save."""
     transport = transport_of(client)
     left = dict.fromkeys(names)  # the names not consumed yet, in the order asked
     path = f"{checkpoint_path(run, step)}/select"
@@ -183,14 +186,15 @@ def select(
         if not left:
             return
         if direct:
-            from ckptstore.direct_load import load_direct  # the codec: only when used
+            from ckptstore.direct_load import each_direct  # the codec: only when used
 
-            got = load_direct(transport, run, step, names=list(left))
-            specs = encode_header(got.specs, {})[1].tensors
-            for spec, buf in zip(specs, got.buffers, strict=True):
-                consume(spec, buf)
-                del left[spec.name]
-                received += spec.nbytes
+            # one tensor held at a time: each consumed as soon as it is decoded; closed at
+            # once if ``consume`` raises (the decoder's queue cancelled, the base kept)
+            with closing(each_direct(transport, run, step, list(left), keep_base=True)) as got:
+                for t, buf in got:
+                    consume(TensorSpec(t.name, t.dtype, t.shape, 0, t.nbytes), buf)
+                    del left[t.name]
+                    received += t.nbytes
             return
         raw = json.dumps({"names": list(left)}, separators=(",", ":")).encode()
         with transport.stream("POST", path, [raw], len(raw), "application/json") as response:

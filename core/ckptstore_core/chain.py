@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -449,7 +449,7 @@ class WindowReader:
 
 def decoded_ahead(
     pool: Executor, decoder: ChainDecoder, chunks: Sequence[ChunkInfo], budget: int
-) -> Iterator[Piece]:
+) -> Generator[Piece, None, None]:
     """The chunks' raw bytes, in order, decoded in ``pool`` at most ``budget`` bytes (and
     256 jobs) ahead of the consumer; what is queued is cancelled when it stops."""
     # Decoded chunks queued ahead of the one being sent, bounded in bytes rather than in

@@ -31,7 +31,7 @@ from ckptstore.dcp import (
 from ckptstore_core.dcp_layout import FULL, LAYOUT_KEY
 from support import dcp_ranks
 from support.serviceproc import Service
-from support.states import assert_same_state
+from support.states import assert_same_state, plain_dicts
 
 SAVES = [2, 4, 6]
 STEPS = 9  # the uninterrupted run trains on past the last save
@@ -39,15 +39,6 @@ STEPS = 9  # the uninterrupted run trains on past the last save
 
 def _full(path: Path) -> Any:
     return torch.load(path, weights_only=True)
-
-
-def _plain(state: Any) -> Any:
-    """``state`` with OrderedDicts as dicts (a load assembles plain dicts)."""
-    if isinstance(state, dict):
-        return {k: _plain(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_plain(v) for v in state]
-    return state
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +105,12 @@ def test_resume_on_four_ranks_is_bit_identical_and_reads_a_quarter(
 def test_one_process_loads_the_full_state(service: Service, saved: Path) -> None:
     with CheckpointClient(service.url) as client:
         for step in SAVES:
-            expected = _plain(_full(saved / f"full-{step}.pt"))
+            expected = plain_dicts(_full(saved / f"full-{step}.pt"))
             assert_same_state(expected, client.load("fsdp", step), path=f"step {step}")
         model_only = client.load("fsdp", 4, prefix="model.")
     assert list(model_only) == ["model"]
-    assert_same_state(_plain(_full(saved / "full-4.pt"))["model"], model_only["model"])
-    assert_same_state(_plain(_full(saved / "full-6.pt")), load_full(service.url, "fsdp"))
+    assert_same_state(plain_dicts(_full(saved / "full-4.pt"))["model"], model_only["model"])
+    assert_same_state(plain_dicts(_full(saved / "full-6.pt")), load_full(service.url, "fsdp"))
 
 
 def test_a_plain_get_is_the_full_state_as_one_safetensors_file(
@@ -169,7 +160,7 @@ def test_a_rank_failing_mid_upload_leaves_nothing_and_the_save_is_retried(
     assert json.loads((tmp_path / "latest-after-failure.json").read_text()) == "fails/1"
     with CheckpointClient(service.url) as client:
         assert [c.step for c in client.list("fails")] == [1, 2]
-        assert_same_state(_plain(_full(tmp_path / "full-2.pt")), client.load("fails", 2))
+        assert_same_state(plain_dicts(_full(tmp_path / "full-2.pt")), client.load("fails", 2))
 
 
 def test_a_resharded_save_keeps_the_names_of_whole_grid_cells(
@@ -213,7 +204,7 @@ def test_hsdp_stores_one_replica(make_service: Any, tmp_path: Path) -> None:
         hsdp, fsdp = client.list("hsdp")[0], client.list("fsdp2")[0]
         assert (hsdp.raw_bytes, hsdp.tensors) == (fsdp.raw_bytes, fsdp.tensors)
         assert hsdp.stored_bytes == fsdp.stored_bytes
-        full = _plain(_full(tmp_path / "full-hsdp.pt"))
+        full = plain_dicts(_full(tmp_path / "full-hsdp.pt"))
         assert_same_state(full, client.load("hsdp", 1))
     names = {
         t["name"]: t["shape"]
@@ -244,7 +235,7 @@ def test_async_save_lands_loadable_checkpoints(
     with CheckpointClient(service.url) as client:
         assert [c.step for c in client.list(run)] == [1, 2]
         for step in (1, 2):
-            expected = _plain(_full(tmp_path / f"full-{step}.pt"))
+            expected = plain_dicts(_full(tmp_path / f"full-{step}.pt"))
             assert_same_state(expected, client.load(run, step), path=f"step {step}")
     stalls = json.loads((tmp_path / "stalls.json").read_text())
     print(f"dcp.async_save ({executor} executor) returned after {stalls} s")
@@ -281,7 +272,7 @@ def test_async_save_on_its_own_group_runs_beside_training(
     trained = [json.loads((tmp_path / f"trained-{rank}.json").read_text()) for rank in (0, 1)]
     assert trained[0] == trained[1] >= 1
     with CheckpointClient(service.url) as client:
-        expected = _plain(_full(tmp_path / "full-1.pt"))
+        expected = plain_dicts(_full(tmp_path / "full-1.pt"))
         assert_same_state(expected, client.load("own-group", 1))
 
 
@@ -335,7 +326,7 @@ def test_ranks_spread_over_two_replicas_on_postgres_and_s3(
         for step in (1, 2):
             full = _full(tmp_path / f"full-{step}.pt")
             assert_same_state(full, _full(tmp_path / f"loaded-3-{step}.pt"), path=f"{step}")
-            assert_same_state(_plain(full), client.load("prod", step), path=f"{step}")
+            assert_same_state(plain_dicts(full), client.load("prod", step), path=f"{step}")
 
 
 def test_async_save_stages_into_reused_buffers(make_service: Any, tmp_path: Path) -> None:
@@ -347,7 +338,7 @@ def test_async_save_stages_into_reused_buffers(make_service: Any, tmp_path: Path
     with CheckpointClient(service.url) as client:
         assert [c.step for c in client.list("staged")] == [1, 2]
         for step in (1, 2):
-            expected = _plain(_full(tmp_path / f"full-{step}.pt"))
+            expected = plain_dicts(_full(tmp_path / f"full-{step}.pt"))
             assert_same_state(expected, client.load("staged", step), path=f"step {step}")
     for rank in (0, 1):
         assert json.loads((tmp_path / f"reused-{rank}.json").read_text()) is True

@@ -472,17 +472,29 @@ def killed_save(
     Path(out, f"saved-{rank}.txt").write_text("step 2 saved")  # never: the victim is dead
 
 
-def resumed_save(rank: int, world: int, port: int, url: str, run: str, out: str, step: int) -> None:
+def resumed_save(
+    rank: int,
+    world: int,
+    port: int,
+    url: str,
+    run: str,
+    out: str,
+    step: int,
+    direct: tuple[bool, bool] = (False, False),
+) -> None:
     """A restarted job: load ``latest`` (noting its step in resumed-from.json), train step
-    ``step``, save it; rank 0 keeps the full state saved (full-{step}.pt)."""
+    ``step``, save it; rank 0 keeps the full state saved (full-{step}.pt). ``direct``:
+    whether the load and the save are direct (a direct save's writer cuts :data:`GRID`
+    cells, as :func:`save_run`'s)."""
     init(rank, world, port)
     model, opt = build(seed=1234)  # other values than the saved ones
     state = sharded(model, opt)
-    reader = CkptStoreReader(url, run)
+    reader = CkptStoreReader(url, run, direct=direct[0])
     dcp.load(state, storage_reader=reader)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     train_step(model, opt, step)
-    dcp.save(sharded(model, opt), storage_writer=CkptStoreWriter(url, run, step))
+    options: dict[str, Any] = {"direct": True, "grid_bytes": GRID} if direct[1] else {}
+    dcp.save(sharded(model, opt), storage_writer=CkptStoreWriter(url, run, step, **options))
     full = gathered(model, opt)
     if rank == 0:
         Path(out, "resumed-from.json").write_text(json.dumps(reader.served_step))

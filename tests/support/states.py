@@ -172,3 +172,12 @@ def training_states(n: int) -> list[dict[str, Any]]:
             )
         )
     return states
+
+
+def plain_dicts(state: Any) -> Any:
+    """``state`` with OrderedDicts as dicts (a load assembles plain dicts)."""
+    if isinstance(state, dict):
+        return {k: plain_dicts(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [plain_dicts(v) for v in state]
+    return state

@@ -70,8 +70,11 @@ class _Pending:
 class BaseReader(Protocol):
     """Where a chunk's base (the same chunk of the parent checkpoint) is read from."""
 
-    def read(self, base: BaseChunk, into: np.ndarray) -> memoryview:
-        """The base's raw bytes, in ``into`` (its exact length) or in a buffer of its own."""
+    def read(self, base: BaseChunk, into: np.ndarray) -> memoryview | None:
+        """The base's raw bytes, in ``into`` (its exact length) or in a buffer of its own;
+        None where the reader finds that what it holds is not the base after all (a
+        writer's copy that fails the parent's checksum): the chunk is then encoded on its
+        own."""
         ...
 
 
@@ -102,7 +105,8 @@ def encode_lossy(
     v_prev = None
     if plan.v_prev is not None:
         into = np.empty(c.raw_len, np.uint8)
-        v_prev = np.frombuffer(bases.read(plan.v_prev, into), np.float32)
+        held = bases.read(plan.v_prev, into)  # an encoder's hint only: the payload decodes without
+        v_prev = None if held is None else np.frombuffer(held, np.float32)
     base = np.frombuffer(parent, np.float32)
     out = lossy.encode(plan.role, c.data.view(np.float32), base, v_prev, plan.params)
     if out is None:
