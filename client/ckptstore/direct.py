@@ -19,17 +19,31 @@ that loaded nothing, a parent another writer saved). Memory: the pipeline's budg
 ``2 * workers + 2`` chunks in flight (with the default 4 MiB chunks and 2 workers,
 24 MiB), plus the pieces queued for the socket; disk: one raw copy of what was last saved
 or loaded per run (the newest ``keep_runs`` runs).
+
+**Part PUTs straight to S3** (``_PartUploader``): each one is retried by itself, to the same
+presigned URL with the same bytes, when the store answers what S3 documents as retriable
+(``500``, ``502``, ``503``, ``504``: ``SlowDown`` while S3 splits a busy key range,
+``InternalError``, ``ServiceUnavailable``) or the connection fails (refused, reset, timed
+out): at most :data:`PUT_ATTEMPTS` attempts, :data:`PUT_BACKOFF_S` ``* 2**n`` seconds
+(times a jitter of 0.5-1.5, at most :data:`PUT_BACKOFF_MAX_S`) before retry ``n + 1``, each
+retry a warning on the ``ckptstore`` logger. A ``403`` (an expired URL: ``UrlExpired``; a
+signature mismatch: ``Forbidden``) or any other ``4xx`` is raised at once. The last failure
+is a ``StorageUnavailable``, which the caller's transport retries as a whole part (a new
+plan and upload).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import http.client
 import logging
 import os
 import queue
+import random
 import tempfile
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import OrderedDict
@@ -37,6 +51,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 
@@ -66,6 +81,9 @@ from ckptstore_core.pipeline import (
 from ckptstore_core.wire import Header, TensorPiece, encode_header
 
 __all__ = [
+    "PUT_ATTEMPTS",
+    "PUT_BACKOFF_MAX_S",
+    "PUT_BACKOFF_S",
     "BaseFile",
     "DirectWriter",
     "LoadedBase",
@@ -80,6 +98,16 @@ log = logging.getLogger("ckptstore")
 Spec = tuple[str, str, Sequence[int]]  # a tensor's name, dtype and shape
 _BATCH = 1 << 20  # bytes of frames joined into one piece of the request body
 _DONE = object()
+#: Attempts of one part PUT to the store, the first included (botocore's "standard" retry
+#: mode makes 3, the service's S3 backend 5).
+PUT_ATTEMPTS = 5
+#: Seconds before the first retry of a part PUT, doubled at each, times a jitter of 0.5-1.5.
+PUT_BACKOFF_S = 0.5
+#: The longest wait before a retry of a part PUT.
+PUT_BACKOFF_MAX_S = 8.0
+#: The store's answers to a part PUT that are retried (S3's retriable errors).
+_RETRIED_STATUS = frozenset({500, 502, 503, 504})
+logger = logging.getLogger("ckptstore")
 
 
 @dataclass(frozen=True)
@@ -105,10 +133,22 @@ class DirectWriter:
     """Encodes parts and sends them encoded (see the module's docstring) through the
     :class:`~ckptstore.transport.Transport` each call is given; ``workers`` codec threads.
     Its base files are keyed by service and run, so one writer serves every client of a
-    process (:func:`shared_writer`): a DCP save makes a storage writer per checkpoint."""
+    process (:func:`shared_writer`): a DCP save makes a storage writer per checkpoint.
+    ``put_attempts`` and ``put_backoff`` bound the retries of each part PUT straight to the
+    store (the module's docstring)."""
 
-    def __init__(self, workers: int | None = None, keep_runs: int = 2) -> None:
+    def __init__(
+        self,
+        workers: int | None = None,
+        keep_runs: int = 2,
+        *,
+        put_attempts: int = PUT_ATTEMPTS,
+        put_backoff: float = PUT_BACKOFF_S,
+    ) -> None:
+        if put_attempts < 1:
+            raise ValueError("put_attempts must be at least 1")
         self._workers = workers or min(4, os.cpu_count() or 2)
+        self._put_retries = (put_attempts, put_backoff)
         self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="ckptstore-encode")
         self._dir = tempfile.TemporaryDirectory(prefix="ckptstore-bases-")
         self._bases: OrderedDict[tuple[str, str], BaseFile] = OrderedDict()
@@ -177,7 +217,9 @@ class DirectWriter:
             with (
                 open(raw_path, "r+b") as raw,
                 open(base.path if base else os.devnull, "rb") as old,
-                _PartUploader(up["urls"], up["part_size"], transport.timeout) as sink,
+                _PartUploader(
+                    up["urls"], up["part_size"], transport.timeout, *self._put_retries
+                ) as sink,
             ):
                 pipeline = ChunkPipeline(
                     self._pool, Budget(self._workers, plan.chunk_bytes), plan.chunk_bytes,
@@ -441,13 +483,25 @@ class _QueueSink:
 class _PartUploader:
     """The pipeline's sink of a part uploaded straight to the store: the chunks' stored
     bytes back to back, cut into parts of ``part_size`` bytes, each PUT to its presigned
-    URL by one of two threads while the next one fills (memory: 3 parts). :meth:`finish`
-    PUTs the last one and returns each chunk's size."""
+    URL (retried by itself: :func:`put_part`) by one of two threads while the next one fills
+    (memory: 3 parts, each held until its PUT succeeded or failed for good). :meth:`finish`
+    PUTs the last one and returns each chunk's size. Leaving the block after a failure
+    ends the other PUT's back-off at once."""
 
-    def __init__(self, urls: list[str], part_size: int, timeout: float) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        part_size: int,
+        timeout: float,
+        attempts: int = PUT_ATTEMPTS,
+        backoff: float = PUT_BACKOFF_S,
+    ) -> None:
         self._urls = urls
         self._size = part_size
         self._timeout = timeout
+        self._attempts = attempts
+        self._backoff = backoff
+        self._stop = threading.Event()
         self._buf = bytearray()
         self._sizes: list[int] = []
         self._written = 0
@@ -458,6 +512,7 @@ class _PartUploader:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stop.set()  # a PUT waiting to retry gives up (its part is not needed now)
         for f in self._pending:
             f.cancel()
         self._pool.shutdown(wait=True)
@@ -478,12 +533,18 @@ class _PartUploader:
         n = len(self._pending)
         if n >= len(self._urls):
             raise StorageUnavailable(f"the part outgrew its {len(self._urls)} upload URLs")
-        self._pending.append(self._pool.submit(put_part, self._urls[n], data, self._timeout))
+        self._pending.append(self._pool.submit(self._put_one, self._urls[n], data))
         while sum(not f.done() for f in self._pending) > 2:
             next(f for f in self._pending if not f.done()).result()
         for f in self._pending:
             if f.done():
                 f.result()  # raises a failed part's error now
+
+    def _put_one(self, url: str, data: bytes) -> None:
+        put_part(
+            url, data, self._timeout, attempts=self._attempts, backoff=self._backoff,
+            stop=self._stop,
+        )  # fmt: skip
 
     def finish(self) -> list[int]:
         if self._buf:
@@ -494,9 +555,42 @@ class _PartUploader:
         return self._sizes
 
 
-def put_part(url: str, data: bytes, timeout: float) -> None:
-    """PUT ``data`` to a presigned URL; typed errors: UrlExpired (plan again),
-    StorageUnavailable (the store away or refusing: retried), Forbidden."""
+def put_part(
+    url: str,
+    data: bytes,
+    timeout: float,
+    *,
+    attempts: int = PUT_ATTEMPTS,
+    backoff: float = PUT_BACKOFF_S,
+    stop: threading.Event | None = None,
+) -> None:
+    """PUT ``data`` to a presigned URL, retried (up to ``attempts`` attempts in all, with
+    exponential back-off and jitter, each retry logged) while the store answers ``5xx`` or
+    the connection fails; ``stop`` set ends a back-off (the last failure is raised). Typed
+    errors: UrlExpired (plan again: also when the URL expired during a back-off),
+    Forbidden, StorageUnavailable (the store away, throttling or refusing past the
+    attempts, or the upload gone: the caller retries the whole part), InvalidRequest."""
+    for n in range(attempts):
+        error = _put_once(url, data, timeout)
+        if error is None:
+            return
+        delay = min(backoff * 2**n, PUT_BACKOFF_MAX_S) * (0.5 + random.random())
+        if n + 1 == attempts or (stop is not None and stop.is_set()):
+            raise error
+        logger.warning(
+            "%s (part %s); retrying in %.1f s (retry %d of %d)",
+            error, _part_number(url), delay, n + 1, attempts - 1,
+        )  # fmt: skip
+        if stop is None:
+            time.sleep(delay)
+        elif stop.wait(delay):
+            raise error
+    raise AssertionError("unreachable")
+
+
+def _put_once(url: str, data: bytes, timeout: float) -> StorageUnavailable | None:
+    """One PUT of ``data`` to ``url``: None once the store took it, the error of a failure
+    worth retrying (a ``5xx``, a failed connection); raises the others typed."""
     request = urllib.request.Request(url, data=data, method="PUT")
     request.add_header("Content-Length", str(len(data)))
     # urllib's default (a form) is what S3 servers may try to parse: moto answers 500
@@ -504,10 +598,23 @@ def put_part(url: str, data: bytes, timeout: float) -> None:
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             response.read()
+        return None
     except urllib.error.HTTPError as exc:
-        raise store_error(exc, "PUT of a part") from exc
-    except OSError as exc:  # refused, reset, timed out
-        raise StorageUnavailable(f"the store did not take a part: {exc}") from exc
+        error = store_error(exc, "PUT of a part")
+        if exc.code not in _RETRIED_STATUS or not isinstance(error, StorageUnavailable):
+            raise error from exc
+        error.__cause__ = exc
+        return error
+    except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, cut
+        failed = StorageUnavailable(f"the store did not take a part: {exc}")
+        failed.__cause__ = exc
+        return failed
+
+
+def _part_number(url: str) -> str:
+    """The part number a presigned part URL names (logs show it, never the URL: its query
+    is a credential until it expires)."""
+    return parse_qs(urlsplit(url).query).get("partNumber", ["?"])[0]
 
 
 class _Cancelled(Exception):

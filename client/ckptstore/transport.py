@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import random
+import re
 import select
 import socket
 import ssl
@@ -522,7 +523,7 @@ def _reason(exc: BaseException) -> str:
 
 def store_error(exc: urllib.error.HTTPError, what: str) -> CkptStoreError:
     """The typed error of a store's answer to a presigned request."""
-    text = exc.read()[:300].decode(errors="replace")
+    text = _store_text(exc.read()[:300].decode(errors="replace"))
     if exc.code == 403 and "expired" in text.lower():
         return UrlExpired(f"the store refused a {what}: its URL expired ({text})")
     if exc.code == 403:
@@ -532,3 +533,14 @@ def store_error(exc: urllib.error.HTTPError, what: str) -> CkptStoreError:
     if exc.code >= 500 or exc.code == 429:
         return StorageUnavailable(f"the store answered {exc.code} to a {what}: {text}")
     return InvalidRequest(f"the store answered {exc.code} to a {what}: {text}")
+
+
+def _store_text(text: str) -> str:
+    """An S3 error document as ``Code: Message`` on one line (else the text, on one line)."""
+    code, message = (
+        re.search(r"<Code>(.*?)</Code>", text),
+        re.search(r"<Message>(.*?)</Message>", text),
+    )
+    if code and message:
+        return f"{code[1]}: {message[1]}"
+    return " ".join(text.split())

@@ -9,9 +9,11 @@ through a proxy that makes them (``support.presign``)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -22,15 +24,15 @@ import pytest
 import torch
 
 from ckptstore import CheckpointClient, Forbidden, UrlExpired
-from ckptstore.direct import DirectWriter, pieces_of, put_part
+from ckptstore.direct import PUT_ATTEMPTS, DirectWriter, pieces_of, put_part
 from ckptstore.transport import Transport
 from ckptstore_core.errors import StorageUnavailable
 from ckptstore_core.wire import TensorPiece
 from ckptstore_service.names import BlobKey, parse_blob_key
 from ckptstore_service.storage.base import presigned_since
 from support.bodies import assert_error
-from support.faultproxy import FaultProxy
-from support.presign import PresignChecker
+from support.faultproxy import SLOWDOWN_BODY, FaultProxy
+from support.presign import PresignChecker, s3_error
 from support.s3server import frozen, s3_store
 from support.serviceproc import Service
 from support.states import assert_same_state, training_states
@@ -53,15 +55,26 @@ def steps(url: str, run: str) -> list[int]:
 
 
 @pytest.fixture
-def checked(backends: dict[str, str]) -> Iterator[tuple[dict[str, str], PresignChecker]]:
+def s3_front(
+    backends: dict[str, str],
+) -> Iterator[tuple[dict[str, str], FaultProxy, PresignChecker]]:
     """``backends`` with the bucket reached through a proxy that checks presigned URLs as
-    S3 does (expiry, signature: ``support.presign``), and the checker: the service's
-    endpoint is the proxy, so the URLs it presigns name the proxy."""
+    S3 does (expiry, signature: ``support.presign``), the proxy (to count requests and
+    inject S3's answers) and the checker: the service's endpoint is the proxy, so the URLs
+    it presigns name the proxy."""
     moto = urlsplit(backends["CKPTSTORE_S3_ENDPOINT_URL"])
     assert moto.hostname and moto.port
     checker = PresignChecker(secret_key=os.environ["AWS_SECRET_ACCESS_KEY"])
     with FaultProxy(moto.hostname, moto.port, http=True, check=checker) as proxy:
-        yield {**backends, "CKPTSTORE_S3_ENDPOINT_URL": proxy.url}, checker
+        yield {**backends, "CKPTSTORE_S3_ENDPOINT_URL": proxy.url}, proxy, checker
+
+
+@pytest.fixture
+def checked(
+    s3_front: tuple[dict[str, str], FaultProxy, PresignChecker],
+) -> tuple[dict[str, str], PresignChecker]:
+    """``s3_front`` without its proxy."""
+    return s3_front[0], s3_front[2]
 
 
 def upload_key(key: str, run: str, step: int) -> BlobKey:
@@ -282,8 +295,9 @@ def test_s3_down_mid_upload_fails_typed_and_the_next_save_works(
     make_service: Callable[..., Service], backends: dict[str, str], own_moto: tuple[str, int]
 ) -> None:
     """The bucket stops answering after the writer's upload began (its URLs handed out,
-    the first bytes encoded): the PUTs time out, the save fails StorageUnavailable (which
-    a client retries), nothing is visible; once S3 is back the next save works."""
+    the first bytes encoded): the PUTs time out (each retried once here), the save fails
+    StorageUnavailable (which a client retries), nothing is visible; once S3 is back the
+    next save works."""
     service = make_service({**backends, "CKPTSTORE_S3_ENDPOINT_URL": own_moto[0]})
     w = np.random.default_rng(0).standard_normal(6 << 20).astype(np.float32)  # 24 MiB
     halfway, release = threading.Event(), threading.Event()
@@ -295,7 +309,7 @@ def test_s3_down_mid_upload_fails_typed_and_the_next_save_works(
         release.wait(60)  # S3 freezes meanwhile
         yield from pieces[1:]
 
-    writer = DirectWriter(workers=1)
+    writer = DirectWriter(workers=1, put_attempts=2, put_backoff=0.05)
     transport = Transport(service.url, timeout=3, retries=0)
     failed: list[BaseException] = []
 
@@ -322,3 +336,161 @@ def test_s3_down_mid_upload_fails_typed_and_the_next_save_works(
     with CheckpointClient(service.url, direct=True) as client:
         client.save("down", 1, {"w": torch.from_numpy(w)})
         assert torch.equal(client.load("down", 1)["w"], torch.from_numpy(w))
+
+
+SLOWDOWN = ("503 Slow Down", SLOWDOWN_BODY)
+INTERNAL = ("500 Internal Server Error", s3_error("InternalError", "We encountered an error"))
+UNAVAILABLE = ("503 Service Unavailable", s3_error("ServiceUnavailable", "Reduce your rate"))
+EXPIRED = ("403 Forbidden", s3_error("AccessDenied", "Request has expired"))
+MISMATCH = ("403 Forbidden", s3_error("SignatureDoesNotMatch", "The signature does not match"))
+
+
+def part(n: int) -> bytes:
+    """The marker of part ``n``'s presigned PUTs in a request line (botocore's query:
+    ``?uploadId=...&partNumber=N&X-Amz-Algorithm=...``)."""
+    return f"&partNumber={n}&".encode()
+
+
+def part_puts(lines: list[bytes]) -> tuple[dict[int, int], set[str]]:
+    """The presigned part PUTs among the request lines a proxy read: attempts by part
+    number, and the upload ids they name."""
+    attempts: Counter[int] = Counter()
+    uploads: set[str] = set()
+    for line in lines:
+        method, target, _ = line.split(b" ")
+        if method != b"PUT" or b"X-Amz-Signature=" not in target:
+            continue
+        query = parse_qs(urlsplit(target.decode()).query)
+        attempts[int(query["partNumber"][0])] += 1
+        uploads.add(query["uploadId"][0])
+    return dict(attempts), uploads
+
+
+def calls(lines: list[bytes], suffix: bytes) -> int:
+    """Requests to the service whose path ends in ``suffix`` (``b"/plan"``)."""
+    return sum(1 for line in lines if line.split(b" ")[1].endswith(suffix))
+
+
+def random_state(seed: int) -> dict[str, torch.Tensor]:
+    """9 MiB that no codec shrinks: 2 parts (of the store's 8 MiB), whatever the parent."""
+    rng = np.random.default_rng(seed)
+    big = rng.integers(-(2**31), 2**31, 9 << 18, dtype=np.int32)  # random bits
+    return {"big": torch.from_numpy(big), "step": torch.tensor(seed)}
+
+
+def test_a_throttled_or_failed_part_put_is_retried_alone(
+    make_service: Callable[..., Service],
+    s3_front: tuple[dict[str, str], FaultProxy, PresignChecker],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """S3 answers 503 SlowDown (twice), 500 InternalError, 503 ServiceUnavailable, or
+    resets the connection after taking the part: the writer PUTs that part again, to the
+    same URL with the same bytes, and the save succeeds with one plan, one upload and the
+    PUT attempts counted at the proxy; every step loads bit-exactly."""
+    backends, s3, checker = s3_front
+    service = make_service(backends)
+    # what each step's save meets, the PUT attempts by part number, the answers made
+    faults: list[tuple[Callable[[], object], dict[int, int], int]] = [
+        (lambda: s3.answer(part(1), 2, *SLOWDOWN), {1: 3, 2: 1}, 2),
+        (
+            lambda: (s3.answer(part(2), 1, *INTERNAL), s3.answer(part(1), 1, *UNAVAILABLE)),
+            {1: 2, 2: 2},
+            2,
+        ),
+        (lambda: s3.drop_answers(part(2), 1), {1: 1, 2: 2}, 0),  # reset after S3 took it
+    ]
+    states = {step: random_state(step) for step in range(1, len(faults) + 1)}
+    with (
+        FaultProxy("127.0.0.1", service.port, http=True) as front,
+        CheckpointClient(front.url, direct=True) as client,
+        caplog.at_level(logging.WARNING, logger="ckptstore"),
+    ):
+        for step, (arm, expected, made) in enumerate(faults, start=1):
+            s3_mark, front_mark = len(s3.request_lines), len(front.request_lines)
+            answered = s3.answered
+            arm()
+            client.save("retried", step, states[step])
+            attempts, uploads = part_puts(s3.request_lines[s3_mark:])
+            assert attempts == expected, (step, attempts)
+            assert len(uploads) == 1  # one upload: the part was not retried whole
+            assert calls(front.request_lines[front_mark:], b"/plan") == 1
+            assert calls(front.request_lines[front_mark:], b"/upload") == 1
+            assert s3.answered - answered == made
+        assert s3.answers_dropped == 1
+        for step, state in states.items():
+            assert_same_state(state, client.load("retried", step), path=f"step {step}")
+    retries = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
+    assert len(retries) == 5, retries
+    assert "SlowDown" in retries[0] and "(part 1)" in retries[0]
+    assert f"(retry 1 of {PUT_ATTEMPTS - 1})" in retries[0]
+    assert "X-Amz-Signature" not in caplog.text  # a URL is a credential until it expires
+    assert steps(service.url, "retried") == [1, 2, 3]
+    assert s3_store(backends).list_open_uploads() == []
+    assert checker.expired == checker.mismatched == 0
+
+
+def test_a_part_put_failing_past_its_attempts_fails_the_save_typed(
+    make_service: Callable[..., Service],
+    s3_front: tuple[dict[str, str], FaultProxy, PresignChecker],
+) -> None:
+    """Part 2 throttled for good: its PUT is made ``put_attempts`` times, then the rank's
+    save raises StorageUnavailable; nothing is visible, ``latest`` stays, and once S3
+    takes PUTs again the next save works."""
+    backends, s3, _ = s3_front
+    service = make_service(backends)
+    first, second = random_state(1), random_state(2)
+    specs = [("big", "I32", tuple(first["big"].shape)), ("step", "I64", ())]
+    writer = DirectWriter(workers=1, put_attempts=3, put_backoff=0.05)
+    transport = Transport(service.url, retries=0)
+    try:
+        with CheckpointClient(service.url, direct=True) as client:
+            client.save("throttled", 1, first)
+            mark = len(s3.request_lines)
+            s3.answer(part(2), 10**6, *SLOWDOWN)
+            data = [second["big"].numpy(), second["step"].numpy()]
+            with pytest.raises(StorageUnavailable, match="503") as caught:
+                writer.save_part(
+                    transport, "/v1/runs/throttled/checkpoints/2", "throttled", "rank-0",
+                    specs, lambda: pieces_of(memoryview(a.tobytes()) for a in data),
+                )  # fmt: skip
+            assert "SlowDown" in str(caught.value)
+            attempts, uploads = part_puts(s3.request_lines[mark:])
+            assert attempts[2] == 3 and len(uploads) == 1, attempts
+            assert steps(service.url, "throttled") == [1]
+            assert_same_state(first, client.load("throttled"), path="latest")
+            s3.clear()
+            client.save("throttled", 2, second)
+            assert_same_state(second, client.load("throttled", 2), path="step 2")
+    finally:
+        writer.close()
+        transport.close()
+    assert steps(service.url, "throttled") == [1, 2]
+
+
+@pytest.mark.parametrize(("answer", "error"), [(MISMATCH, Forbidden), (EXPIRED, UrlExpired)])
+def test_a_403_to_a_part_put_is_not_retried(
+    make_service: Callable[..., Service],
+    s3_front: tuple[dict[str, str], FaultProxy, PresignChecker],
+    answer: tuple[str, bytes],
+    error: type[Forbidden],
+) -> None:
+    """A signature mismatch (Forbidden) or an expired URL (UrlExpired, plan again) is
+    raised after one attempt, by the part PUT and by the client (no whole-part retry
+    either); nothing is visible; the next save works."""
+    backends, s3, _ = s3_front
+    service = make_service(backends)
+    state = random_state(3)
+    with (
+        FaultProxy("127.0.0.1", service.port, http=True) as front,
+        CheckpointClient(front.url, direct=True) as client,
+    ):
+        s3.answer(part(1), 1, *answer)
+        with pytest.raises(error) as caught:
+            client.save("refused", 1, state)
+        assert (error is UrlExpired) == isinstance(caught.value, UrlExpired)
+        attempts, _ = part_puts(s3.request_lines)
+        assert attempts[1] == 1, attempts
+        assert calls(front.request_lines, b"/plan") == 1
+        assert steps(service.url, "refused") == []
+        client.save("refused", 1, state)
+        assert_same_state(state, client.load("refused", 1), path="step 1")

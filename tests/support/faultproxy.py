@@ -12,6 +12,7 @@ server, PostgreSQL) and break the link on demand.
 
     FaultProxy(host, port, http=True).slowdown(3)   # S3: the next 3 requests get a 503 SlowDown
     FaultProxy(host, port, http=True).drop_answers(b"/commit", 1)   # a lost answer, below
+    FaultProxy(host, port, http=True).answer(b"&partNumber=1&", 2, "503 Slow Down", xml)
     FaultProxy(host, port, http=True, check=fn)     # fn(head) -> (status, body) refuses it
 
 One asyncio event loop in a thread of the test process serves every connection: each
@@ -34,6 +35,9 @@ window in which a service committed but its client never heard so. ``check``, ca
 each request's head (request line and headers, as sent), refuses a request the way a
 SlowDown does when it returns ``(status line, XML body)``, e.g. ``("403 Forbidden", ...)``:
 how ``support.presign`` makes the peer check presigned URLs as S3 does.
+:meth:`FaultProxy.answer` does the same to the next requests whose request line holds a
+marker (a 503 to one part's PUTs only, say), and :attr:`FaultProxy.request_lines` lists
+every request line read, in order (what a test counts attempts by).
 
 :meth:`FaultProxy.stop` closes the listener and aborts every connection; it is idempotent.
 """
@@ -47,6 +51,7 @@ import struct
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 __all__ = ["SLOWDOWN_BODY", "FaultProxy"]
@@ -69,6 +74,17 @@ def _rst(writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(OSError):  # already closed
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     writer.transport.abort()
+
+
+@dataclass
+class _Answer:
+    """An answer :meth:`FaultProxy.answer` armed: to ``left`` more requests whose request
+    line holds ``marker``."""
+
+    marker: bytes
+    left: int
+    status: str
+    xml: bytes
 
 
 class _Link:
@@ -95,7 +111,9 @@ class FaultProxy:
     Counters: :attr:`accepted` connections, :attr:`resets` (connections closed with a RST),
     :attr:`requests` (http mode: request heads read), :attr:`slowdowns_sent`, and
     :attr:`forwarded` (bytes, both ways) and :attr:`held`: chunks read and waiting for a
-    stall to end now (a request caught mid-flight by :meth:`stall`).
+    stall to end now (a request caught mid-flight by :meth:`stall`); :attr:`answered`
+    (requests :meth:`answer` answered) and :attr:`request_lines` (http mode: each request's
+    first line, in order).
     """
 
     def __init__(
@@ -116,7 +134,9 @@ class FaultProxy:
         self.chunk_bytes = chunk_bytes
         self.port = 0
         self.accepted = self.resets = self.requests = self.slowdowns_sent = 0
-        self.answers_dropped = 0
+        self.answers_dropped = self.answered = 0
+        self.request_lines: list[bytes] = []
+        self._answers: list[_Answer] = []
         self._drop_marker = b""
         self._drops = 0
         self.held = self.forwarded = 0
@@ -244,13 +264,23 @@ class FaultProxy:
 
         self._call(arm)
 
+    def answer(self, marker: bytes, requests: int, status: str, xml: bytes) -> None:
+        """http mode: answer the next ``requests`` requests whose request line holds
+        ``marker`` (``b"&partNumber=1&"``: one part's PUTs) with ``status`` (``"503 Slow
+        Down"``) and the ``xml`` error, as :meth:`slowdown` does, instead of forwarding
+        them (counted in :attr:`answered`). Several markers may be armed at once."""
+        if not self.http:
+            raise ValueError("answer() needs FaultProxy(..., http=True)")
+        self._call(lambda: self._answers.append(_Answer(marker, requests, status, xml)))
+
     def clear(self) -> None:
         """Every fault off: no latency, forwarding, accepting, no SlowDown pending, no
-        answer to drop."""
+        answer to drop or to make."""
 
         def clear_all() -> None:
             self._latency, self._refusing, self._slowdowns = 0.0, False, 0
             self._drops = 0
+            self._answers.clear()
             self._gate().set()
 
         self._call(clear_all)
@@ -372,8 +402,10 @@ class FaultProxy:
                         await self._send(writer, exc.partial)
                     break
                 self.requests += 1
+                line = head.split(b"\r\n", 1)[0]
+                self.request_lines.append(line)
                 length, chunked, expect = _framing(head)
-                if self._drops > 0 and self._drop_marker in head.split(b"\r\n", 1)[0]:
+                if self._drops > 0 and self._drop_marker in line:
                     self._drops -= 1
                     link.drop_answer = True
                 if self._slowdowns > 0:
@@ -381,6 +413,10 @@ class FaultProxy:
                     self.slowdowns_sent += 1
                     answer = ("503 Slow Down", SLOWDOWN_BODY)
                     await self._answer(link, reader, 0 if expect else length, *answer)
+                    return
+                if (made := self._made_answer(line)) is not None:
+                    self.answered += 1
+                    await self._answer(link, reader, 0 if expect else length, *made)
                     return
                 if self._check is not None and (refusal := self._check(head)) is not None:
                     self.refused += 1
@@ -400,6 +436,15 @@ class FaultProxy:
                 writer.write_eof()
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             _rst(writer)
+
+    def _made_answer(self, line: bytes) -> tuple[str, bytes] | None:
+        """The answer :meth:`answer` armed for a request with this first line, if any
+        (one fewer left of it)."""
+        for armed in self._answers:
+            if armed.left > 0 and armed.marker in line:
+                armed.left -= 1
+                return armed.status, armed.xml
+        return None
 
     async def _answer(
         self, link: _Link, reader: asyncio.StreamReader, body: int, status: str, xml: bytes

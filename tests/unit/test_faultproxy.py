@@ -2,8 +2,8 @@
 forwards bytes both ways unchanged, delays by its latency, stalls without closing, resets
 with a RST (seen as "connection reset", not as an EOF), refuses new connections, answers
 S3's 503 SlowDown to exactly the next N HTTP requests, loses the answers of the next N
-matching requests after forwarding them, and answers itself the requests its ``check``
-refuses."""
+matching requests after forwarding them, answers itself the requests its ``check``
+refuses and the next N requests that match an armed answer, and lists the request lines."""
 
 from __future__ import annotations
 
@@ -249,3 +249,51 @@ def test_drop_answers_forwards_the_request_and_loses_its_answer() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_answer_makes_the_next_n_matching_requests_answers_and_lists_request_lines() -> None:
+    """Only requests whose request line holds the marker get the armed answer (their body
+    read and dropped, never forwarded), N of them; the others and the later ones go
+    through; every request line is listed in order."""
+    got: list[bytes] = []
+
+    class Recording(_Ok):
+        def do_PUT(self) -> None:
+            got.append(self.path.encode())
+            super().do_PUT()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recording)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    one, two = "/k?x&partNumber=1&y", "/k?x&partNumber=2&y"
+    try:
+        with FaultProxy("127.0.0.1", server.server_address[1], http=True) as proxy:
+            proxy.answer(b"&partNumber=1&", 2, "500 Internal Server Error", b"<Error>i</Error>")
+            answers = []
+            for path in [two, one, one]:
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+                conn.request("PUT", path, body=b"b")
+                response = conn.getresponse()
+                answers.append((response.status, response.read()))
+                conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+            conn.request("PUT", one, body=b"third")
+            answers.append((conn.getresponse().status, b""))
+            conn.close()
+            assert answers == [
+                (200, b"b"), (500, b"<Error>i</Error>"), (500, b"<Error>i</Error>"), (200, b"")
+            ]  # fmt: skip
+            assert proxy.answered == 2
+            assert got == [two.encode(), one.encode()]
+            lines = [f"PUT {p} HTTP/1.1".encode() for p in (two, one, one, one)]
+            assert proxy.request_lines == lines
+            proxy.answer(b"/k", 5, "503 Slow Down", SLOWDOWN_BODY)
+            proxy.clear()  # disarms it
+            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+            conn.request("PUT", "/k", body=b"clear")
+            assert conn.getresponse().read() == b"clear"
+            conn.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(ValueError, match="http=True"):
+        FaultProxy("127.0.0.1", 1).answer(b"/", 1, "503 Slow Down", SLOWDOWN_BODY)
