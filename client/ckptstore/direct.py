@@ -28,8 +28,10 @@ out): at most :data:`PUT_ATTEMPTS` attempts, :data:`PUT_BACKOFF_S` ``* 2**n`` se
 (times a jitter of 0.5-1.5, at most :data:`PUT_BACKOFF_MAX_S`) before retry ``n + 1``, each
 retry a warning on the ``ckptstore`` logger. A ``403`` (an expired URL: ``UrlExpired``; a
 signature mismatch: ``Forbidden``) or any other ``4xx`` is raised at once. The last failure
-is a ``StorageUnavailable``, which the caller's transport retries as a whole part (a new
-plan and upload).
+is a ``StorageUnavailable`` (``RetriedOut``) that the caller's transport does not retry as a
+whole part: its attempts would multiply these (a store that takes connections and never
+answers would cost ``attempts x (retries + 1)`` timeouts). A gone upload (``404
+NoSuchUpload``) is still retried whole, with a new plan and upload.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 
-from ckptstore.transport import PIECE, Transport, store_error
+from ckptstore.transport import PIECE, RetriedOut, Transport, store_error
 from ckptstore_core import codec
 from ckptstore_core.encoded import (
     CONTENT_TYPE,
@@ -568,14 +570,17 @@ def put_part(
     exponential back-off and jitter, each retry logged) while the store answers ``5xx`` or
     the connection fails; ``stop`` set ends a back-off (the last failure is raised). Typed
     errors: UrlExpired (plan again: also when the URL expired during a back-off),
-    Forbidden, StorageUnavailable (the store away, throttling or refusing past the
-    attempts, or the upload gone: the caller retries the whole part), InvalidRequest."""
+    Forbidden, StorageUnavailable (the upload gone: the caller retries the whole part;
+    RetriedOut: the store away, throttling or refusing past the attempts, not retried
+    again), InvalidRequest."""
     for n in range(attempts):
         error = _put_once(url, data, timeout)
         if error is None:
             return
         delay = min(backoff * 2**n, PUT_BACKOFF_MAX_S) * (0.5 + random.random())
-        if n + 1 == attempts or (stop is not None and stop.is_set()):
+        if n + 1 == attempts:
+            raise RetriedOut(str(error)) from error.__cause__
+        if stop is not None and stop.is_set():
             raise error
         logger.warning(
             "%s (part %s); retrying in %.1f s (retry %d of %d)",

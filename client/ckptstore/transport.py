@@ -91,6 +91,14 @@ PIECE = 8 << 20
 CHECKSUMS_KEY = "ckptstore.xxh3_128"
 _TRANSIENT = (OSError, http.client.HTTPException)
 _RETRIED = (*_TRANSIENT, StorageUnavailable, RequestTimeout, TooManyUploads)
+
+
+class RetriedOut(StorageUnavailable):
+    """A StorageUnavailable retried already where it happened, up to its own bound (a part
+    PUT straight to S3 past its attempts): :meth:`Transport.retry` raises it at once
+    instead of repeating the whole call, whose attempts would multiply the first ones."""
+
+
 T = TypeVar("T")
 logger = logging.getLogger("ckptstore")
 
@@ -306,6 +314,8 @@ class Transport:
         for n in range(self.retries + 1):
             try:
                 return attempt()
+            except RetriedOut:
+                raise
             except _RETRIED as exc:
                 delay = self.backoff * 2**n * (0.5 + random.random())
                 # an OSError before any connection succeeded is a connection that failed

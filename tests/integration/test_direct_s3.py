@@ -434,14 +434,15 @@ def test_a_part_put_failing_past_its_attempts_fails_the_save_typed(
     s3_front: tuple[dict[str, str], FaultProxy, PresignChecker],
 ) -> None:
     """Part 2 throttled for good: its PUT is made ``put_attempts`` times, then the rank's
-    save raises StorageUnavailable; nothing is visible, ``latest`` stays, and once S3
-    takes PUTs again the next save works."""
+    save raises StorageUnavailable, which the transport's retries (2 here) do not repeat as
+    a whole part (one upload); nothing is visible, ``latest`` stays, and once S3 takes PUTs
+    again the next save works."""
     backends, s3, _ = s3_front
     service = make_service(backends)
     first, second = random_state(1), random_state(2)
     specs = [("big", "I32", tuple(first["big"].shape)), ("step", "I64", ())]
     writer = DirectWriter(workers=1, put_attempts=3, put_backoff=0.05)
-    transport = Transport(service.url, retries=0)
+    transport = Transport(service.url, retries=2, backoff=0.05)
     try:
         with CheckpointClient(service.url, direct=True) as client:
             client.save("throttled", 1, first)
@@ -449,10 +450,10 @@ def test_a_part_put_failing_past_its_attempts_fails_the_save_typed(
             s3.answer(part(2), 10**6, *SLOWDOWN)
             data = [second["big"].numpy(), second["step"].numpy()]
             with pytest.raises(StorageUnavailable, match="503") as caught:
-                writer.save_part(
+                transport.retry(lambda: writer.save_part(
                     transport, "/v1/runs/throttled/checkpoints/2", "throttled", "rank-0",
                     specs, lambda: pieces_of(memoryview(a.tobytes()) for a in data),
-                )  # fmt: skip
+                ))  # fmt: skip
             assert "SlowDown" in str(caught.value)
             attempts, uploads = part_puts(s3.request_lines[mark:])
             assert attempts[2] == 3 and len(uploads) == 1, attempts
