@@ -119,34 +119,13 @@ class DirectSaver:
         it = iter(body)
         parser, header, first = self._open(it)
         frames = _frames(parser, first, it)
-        checkpoint_id, committed = self._parts.open_checkpoint(run, step)
-        if committed is not None:
-            what = f"part {name!r} of {run}/{step}, which is committed already"
-            stored = self._catalog.tensors(committed.id)
-            _check_same(header, _drained(frames, parser), stored, what)
-            return unstored_part(committed.id, name, header), False
-        with self._catalog.part_lock(run, step, name, blocking=False) as held:
-            if held is None:
-                raise CheckpointExists(f"part {name!r} of {run}/{step} is being uploaded")
-            existing = self._catalog.find_part(checkpoint_id, name)
-            if existing is not None and existing.status == "done":
-                what = f"part {name!r} of {run}/{step}"
-                stored = self._catalog.part_tensors(existing)
-                _check_same(header, _drained(frames, parser), stored, what)
-                return existing, False
-            if existing is not None:  # a crashed upload of this part: its lock is free
-                self._parts.collect(existing)
 
-            def land(tx: PartTransaction) -> tuple[list[tuple[int, int]], Tail, int]:
-                places = _appended(frames, tx)
-                tail = parser.close()
-                return places, tail, tx.finish()
+        def land(tx: PartTransaction) -> tuple[list[tuple[int, int]], Tail, int]:
+            places = _appended(frames, tx)
+            tail = parser.close()
+            return places, tail, tx.finish()
 
-            self._store(run, step, checkpoint_id, name, header, held, land)
-        part = self._catalog.find_part(checkpoint_id, name)
-        assert part is not None
-        self._metrics.part_saved(part)
-        return part, True
+        return self._save(run, step, name, header, lambda: _drained(frames, parser), land)
 
     def _open(self, it: Iterator[bytes]) -> tuple[EncodedParser, Header, list[FramePiece]]:
         """The body's header, checked as a raw upload's is, and the frame pieces after it."""
@@ -240,11 +219,44 @@ class DirectSaver:
         header = _header_of(doc.header.encode(), self._settings)
         sizes = doc.sizes
         tail = parse_tail(json.dumps(doc.tail).encode(), len(sizes))
+
+        def land(tx: PartTransaction) -> tuple[list[tuple[int, int]], Tail, int]:
+            try:
+                stored = self._blobs.complete_presigned(doc.key, doc.upload_id, sum(sizes))
+            except ValueError as exc:
+                raise InvalidStream(f"part {name!r} of {run}/{step}: {exc}") from None
+            return _places(sizes), tail, stored
+
+        def unstored(existing: PartRecord | None) -> None:
+            if existing is None or existing.blob_key != doc.key:  # stored before, not this
+                self._blobs.abort_presigned(doc.key, doc.upload_id)
+
+        try:
+            return self._save(run, step, name, header, lambda: tail, land, doc.key, unstored)
+        except BaseException:
+            self._blobs.abort_presigned(doc.key, doc.upload_id)  # if not completed
+            raise
+
+    def _save(
+        self,
+        run: str,
+        step: int,
+        name: str,
+        header: Header,
+        tail: Callable[[], Tail],
+        land: Callable[[PartTransaction], tuple[list[tuple[int, int]], Tail, int]],
+        uploaded: str | None = None,
+        unstored: Callable[[PartRecord | None], None] = lambda existing: None,
+    ) -> tuple[PartRecord, bool]:
+        """Part ``name`` of ``run/step``, of ``header``'s tensors: stored by ``land`` (see
+        :meth:`_store`), or, when the step is committed or the part done already, compared
+        with what is stored (``tail()``: its rows; other content is a 409) and answered
+        without storing anything, ``unstored(existing part or None)`` first."""
         checkpoint_id, committed = self._parts.open_checkpoint(run, step)
         if committed is not None:
             what = f"part {name!r} of {run}/{step}, which is committed already"
-            _check_same(header, tail, self._catalog.tensors(committed.id), what)
-            self._blobs.abort_presigned(doc.key, doc.upload_id)
+            _check_same(header, tail(), self._catalog.tensors(committed.id), what)
+            unstored(None)
             return unstored_part(committed.id, name, header), False
         with self._catalog.part_lock(run, step, name, blocking=False) as held:
             if held is None:
@@ -252,26 +264,12 @@ class DirectSaver:
             existing = self._catalog.find_part(checkpoint_id, name)
             if existing is not None and existing.status == "done":
                 what = f"part {name!r} of {run}/{step}"
-                _check_same(header, tail, self._catalog.part_tensors(existing), what)
-                if existing.blob_key != doc.key:
-                    self._blobs.abort_presigned(doc.key, doc.upload_id)
+                _check_same(header, tail(), self._catalog.part_tensors(existing), what)
+                unstored(existing)
                 return existing, False
             if existing is not None:  # a crashed upload of this part: its lock is free
                 self._parts.collect(existing)
-
-            def land(tx: PartTransaction) -> tuple[list[tuple[int, int]], Tail, int]:
-                size = sum(sizes)
-                try:
-                    stored = self._blobs.complete_presigned(doc.key, doc.upload_id, size)
-                except ValueError as exc:
-                    raise InvalidStream(f"part {name!r} of {run}/{step}: {exc}") from None
-                return _places(sizes), tail, stored
-
-            try:
-                self._store(run, step, checkpoint_id, name, header, held, land, doc.key)
-            except BaseException:
-                self._blobs.abort_presigned(doc.key, doc.upload_id)  # if not completed
-                raise
+            self._store(run, step, checkpoint_id, name, header, held, land, uploaded)
         part = self._catalog.find_part(checkpoint_id, name)
         assert part is not None
         self._metrics.part_saved(part)
