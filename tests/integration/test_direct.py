@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
@@ -20,8 +19,7 @@ from ckptstore_core import codec
 from ckptstore_core.encoded import CONTENT_TYPE, TailChunk, encode_tail, frame
 from ckptstore_core.wire import FORMAT, encode_header
 from support.bodies import assert_error, stored_data
-from support.serviceproc import Service
-from support.waiting import wait_until
+from support.serviceproc import Service, verdicts
 
 Spec = tuple[str, str, tuple[int, ...]]
 FAST_VERIFIER = {"CKPTSTORE_VERIFY_INTERVAL_S": "0.2", "CKPTSTORE_VERIFY_CPU_SHARE": "1"}
@@ -75,24 +73,6 @@ def raw_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     return b"".join(a.tobytes() for a in arrays.values())
 
 
-def listing(service: Service, run: str) -> dict[int, dict[str, Any]]:
-    response = httpx.get(f"{service.url}/v1/runs/{run}/checkpoints")
-    assert response.status_code == 200, response.text
-    return {c["step"]: c for c in response.json()["checkpoints"]}
-
-
-def verdicts(service: Service, run: str) -> dict[int, dict[str, Any]]:
-    """The run's listing once the verifier has judged every checkpoint it has to."""
-    return wait_until(
-        lambda: (
-            (got := listing(service, run))
-            and all(c["verification"] != "pending" for c in got.values())
-            and got
-        ),
-        what=f"the verifier's verdicts on {run}",
-    )
-
-
 def service_save(service: Service, run: str, step: int, arrays: dict[str, np.ndarray]) -> None:
     dtypes = state(step)[1]
     head = encode_header([(n, dtypes[n], a.shape) for n, a in arrays.items()], {})[0]
@@ -123,7 +103,7 @@ def test_a_chain_of_direct_and_service_saves_loads_exactly_and_is_verified(
 
     for step, data in saved.items():
         assert stored_data(service, "mix", step) == data, step
-    listed = verdicts(service, "mix")
+    listed = verdicts(service.url, "mix")
     assert [listed[s]["verification"] for s in (1, 2, 3, 4)] == [
         "verified",
         "verified",
@@ -175,7 +155,7 @@ def test_wrong_bytes_under_honest_checksums_mark_that_checkpoint_alone_corrupt(
         assert put_encoded(service, "liar", step, body).status_code == 201
         assert commit(service, "liar", step).status_code == 201
 
-    listed = verdicts(service, "liar")
+    listed = verdicts(service.url, "liar")
     assert {s: c["verification"] for s, c in listed.items()} == {
         1: "verified",
         2: "corrupt",
@@ -250,7 +230,7 @@ def test_checkpoint_client_direct_saves_a_training_run_exactly(
             (plain if step == 3 else direct).save("train", step, state)
         for step, state in enumerate(states, start=1):
             assert_same_state(state, plain.load("train", step), path=f"step {step}")
-    listed = verdicts(service, "train")
+    listed = verdicts(service.url, "train")
     assert [listed[s]["verification"] for s in (1, 2, 3, 4)] == [
         "verified",
         "verified",
@@ -287,7 +267,7 @@ def test_dcp_ranks_encode_their_own_parts_and_load_into_other_world_sizes(
                 torch.load(out / f"loaded-{world}-{step}.pt", weights_only=True),
                 path=f"world {world}, step {step}",
             )
-    listed = verdicts(service, "dcp")
+    listed = verdicts(service.url, "dcp")
     assert {s: (c["verification"], c["parts"]) for s, c in listed.items()} == {
         2: ("verified", 3),
         4: ("verified", 3),

@@ -10,15 +10,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
 import ckptstore.direct
 from ckptstore import CheckpointClient
-from support.serviceproc import Service
+from support.serviceproc import Service, verdicts
 from support.states import assert_same_state, plain_dicts
-from support.waiting import wait_until
 
 FAST_VERIFIER = {"CKPTSTORE_VERIFY_INTERVAL_S": "0.2", "CKPTSTORE_VERIFY_CPU_SHARE": "1"}
 
@@ -60,24 +58,6 @@ def _frozen() -> torch.Tensor:
     return torch.randint(0, 1000, (100_000,), dtype=torch.int32, generator=seeded)
 
 
-def listing(service: Service, run: str) -> dict[int, dict[str, Any]]:
-    response = httpx.get(f"{service.url}/v1/runs/{run}/checkpoints")
-    assert response.status_code == 200, response.text
-    return {c["step"]: c for c in response.json()["checkpoints"]}
-
-
-def verified(service: Service, run: str) -> dict[int, dict[str, Any]]:
-    """The run's listing once the verifier decoded every client-encoded checkpoint."""
-    return wait_until(
-        lambda: (
-            (got := listing(service, run))
-            and all(c["verification"] != "pending" for c in got.values())
-            and got
-        ),
-        what=f"the verifier's verdicts on {run}",
-    )
-
-
 def assert_loads_exactly(service: Service, run: str, steps: dict[int, dict[str, Any]]) -> None:
     """Every step of ``steps`` loads to its state, decoded here and by the service."""
     with (
@@ -107,7 +87,7 @@ def test_a_resumed_job_diffs_its_first_direct_save_against_what_it_loaded(
         client.save("resumed", 3, state(3))
         client.save("cold", 3, state(3))
     new_process()
-    resumed, cold = verified(service, "resumed"), verified(service, "cold")
+    resumed, cold = verdicts(service.url, "resumed"), verdicts(service.url, "cold")
     keyframe = resumed[1]["stored_bytes"]
     assert resumed[3]["parent_step"] == 2
     assert resumed[3]["stored_bytes"] < keyframe / 2
@@ -134,7 +114,7 @@ def test_a_job_that_loads_an_older_step_saves_exactly(
         assert_same_state(state(1), client.load("older", 1), path="loaded")
         client.save("older", 3, state(3))
     new_process()
-    listed = verified(service, "older")
+    listed = verdicts(service.url, "older")
     assert listed[3]["parent_step"] == 2
     frozen_bytes = _frozen().numel() * 4
     # the frozen embedding became references to step 2's chunks; nothing else was diffed
@@ -163,7 +143,7 @@ def test_a_prefix_load_keeps_the_rest_of_the_base(
         client.save("halves", 3, state(3))
     new_process()
     for run in ("halves", "eval"):
-        listed = verified(service, run)
+        listed = verdicts(service.url, run)
         assert listed[3]["stored_bytes"] < 1.2 * listed[2]["stored_bytes"], run
         assert_loads_exactly(service, run, {s: state(s) for s in (2, 3)})
 
@@ -188,7 +168,7 @@ def test_dcp_ranks_resumed_from_a_direct_load_save_deltas(
         dcp_ranks.launch(
             dcp_ranks.resumed_save, 2, service.url, run, str(out), 3, (load_direct, True)
         )
-    resumed, cold = verified(service, "dcp-resumed"), verified(service, "dcp-cold")
+    resumed, cold = verdicts(service.url, "dcp-resumed"), verdicts(service.url, "dcp-cold")
     assert resumed[3]["parent_step"] == 2
     assert resumed[3]["stored_bytes"] < 0.8 * cold[3]["stored_bytes"]
     assert {s: c["verification"] for s, c in resumed.items()} == dict.fromkeys(
@@ -272,7 +252,7 @@ def test_a_base_file_changed_on_disk_is_no_base_for_the_chunk_it_spoils(
             client.save("tampered", 3, state(3))
     assert "differs from the parent's chunk" in caplog.text
     new_process()
-    listed = verified(service, "tampered")
+    listed = verdicts(service.url, "tampered")
     assert {s: c["verification"] for s, c in listed.items()} == dict.fromkeys((1, 2, 3), "verified")
     assert listed[3]["stored_bytes"] < listed[1]["stored_bytes"]
     assert_loads_exactly(service, "tampered", {s: state(s) for s in (1, 2, 3)})

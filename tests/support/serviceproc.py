@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -130,3 +131,23 @@ def maintenance_runs(url: str, outcome: str, task: str | None = None) -> float:
         if f'outcome="{outcome}"' in line and (task is None or f'task="{task}"' in line):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def listing(url: str, run: str) -> dict[int, dict[str, Any]]:
+    """The run's checkpoints as the service at ``url`` lists them, by step."""
+    response = httpx.get(f"{url}/v1/runs/{run}/checkpoints")
+    assert response.status_code == 200, response.text
+    return {c["step"]: c for c in response.json()["checkpoints"]}
+
+
+def verdicts(url: str, run: str) -> dict[int, dict[str, Any]]:
+    """The run's listing once the verifier has judged every checkpoint it has to (none
+    ``pending``)."""
+    return wait_until(
+        lambda: (
+            (got := listing(url, run))
+            and all(c["verification"] != "pending" for c in got.values())
+            and got
+        ),
+        what=f"the verifier's verdicts on {run}",
+    )
