@@ -3,6 +3,7 @@
 
 A distributed save uploads one *part* per rank and commits them once::
 
+    POST /v1/runs/{run}/checkpoints/{step}/parts/{part}/check  {"header", "checksums"}
     PUT  /v1/runs/{run}/checkpoints/{step}/parts/{part}   a safetensors stream (no skeleton)
     POST /v1/runs/{run}/checkpoints/{step}/commit         {"parts": [...], "metadata": {...}}
 
@@ -13,9 +14,13 @@ and a distributed load asks for what one rank needs::
 
 Parts are invisible until the commit and idempotent (the same part with the same content is a
 200), and a retried commit with the same parts is a 200, so every call here is retried like a
-save on connection errors and 503s. A ``select`` response is consumed tensor by tensor, each
-checked against the checksum the service recorded at save time; a retry after a cut asks only
-for the tensors not consumed yet, so the caller sees each tensor exactly once.
+save on connection errors and 503s. Before a part's body goes, :func:`put_part` asks
+whether the step is committed already (its header only: one small request); only if it is
+are the part's tensors hashed (``data()`` once, nothing sent) and their checksums compared
+with the committed content: the same, and the body is never sent; other, a 409. A
+``select`` response is consumed tensor by tensor, each checked against the checksum the
+service recorded at save time; a retry after a cut asks only for the tensors not consumed
+yet, so the caller sees each tensor exactly once.
 
 Used by :mod:`ckptstore.dcp`; torch-free (the caller turns bytes into tensors).
 """
@@ -29,6 +34,7 @@ from typing import Any
 from urllib.parse import quote
 
 import numpy as np
+import xxhash
 
 from ckptstore.transport import (
     PIECE,
@@ -43,9 +49,9 @@ from ckptstore.transport import (
     transport_of,
 )
 from ckptstore_core.dcp_layout import FULL, LAYOUT_KEY
-from ckptstore_core.errors import InvalidStream, ServiceUnavailable
+from ckptstore_core.errors import CkptStoreError, InvalidStream, ServiceUnavailable
 from ckptstore_core.names import PART_NAME_RULE, check_part_name
-from ckptstore_core.wire import FORMAT, TensorSpec, encode_header
+from ckptstore_core.wire import FORMAT, Header, TensorSpec, encode_header
 
 __all__ = [
     "PART_NAME_RULE",
@@ -55,6 +61,7 @@ __all__ = [
     "info",
     "put_part",
     "select",
+    "tensor_checksums",
 ]
 
 #: ``(name, safetensors dtype code, shape)`` of one tensor of a part, in stream order.
@@ -77,12 +84,18 @@ def put_part(
     whose bytes ``data()`` yields back to back (called again on each retry). Returns the
     service's JSON (``tensors``, ``raw_bytes``, ``stored_bytes``, ...). ``direct``: encoded
     here and sent encoded (:mod:`ckptstore.direct`), against what this process last sent
-    or loaded of the run."""
+    or loaded of the run. A step committed already is compared first, without the body
+    (:func:`_committed_already`): the same content returns the service's record of the part
+    compared (``committed`` true, ``stored_bytes`` 0); other content raises
+    CheckpointExists."""
     transport = transport_of(client)
-    if direct:
-        return _put_encoded(transport, run, step, part, specs, data)
     path = f"{checkpoint_path(run, step)}/parts/{quote(check_part_name(part), safe='')}"
     prefix, header = encode_header(specs, {"format": FORMAT})
+    done = _committed_already(transport, f"{path}/check", prefix, header, data)
+    if done is not None:
+        return done
+    if direct:
+        return _put_encoded(transport, run, step, part, specs, data)
 
     def body() -> Iterator[memoryview | bytes]:
         yield prefix
@@ -100,6 +113,57 @@ def put_part(
         return out
 
     return transport.retry(attempt)
+
+
+def _committed_already(
+    transport: Transport,
+    path: str,
+    prefix: bytes,
+    header: Header,
+    data: Callable[[], Iterator[memoryview | bytes]],
+) -> dict[str, Any] | None:
+    """The service's record of a part whose step is committed with its content already
+    (its body need not be sent), else None (send it). Asks ``path`` (``.../check``) with
+    the part's header only; only for a committed step does it hash the part's tensors
+    (``data()`` once) and ask again with their checksums. CheckpointExists for other
+    content. A service without the route (older, during a rolling upgrade) answers a plain
+    404: the part is uploaded, as before the route."""
+    doc: dict[str, Any] = {"header": bytes(prefix[8:]).decode()}
+    try:
+        answer = transport.call("POST", path, doc)
+    except CkptStoreError as exc:
+        if type(exc) is CkptStoreError and exc.status in (404, 405):
+            return None  # a service older than the route (a rolling upgrade): upload
+        raise
+    if not answer["committed"]:
+        return None
+    doc["checksums"] = tensor_checksums(header, data())
+    answer = transport.call("POST", path, doc)
+    if not answer.get("same"):  # a step deleted between the two questions: upload it
+        return None
+    part: dict[str, Any] = answer["part"]
+    return part
+
+
+def tensor_checksums(header: Header, data: Iterable[memoryview | bytes]) -> dict[str, str]:
+    """The xxh3-128 hex of each of ``header``'s tensors, by name, from their bytes ``data``
+    (back to back, cut anywhere): what the service records of each (``TensorInfo.sent``)."""
+    specs = header.tensors
+    hashers = [xxhash.xxh3_128() for _ in specs]
+    pos, i = 0, 0  # bytes seen; the first tensor that may still take some
+    for piece in data:
+        view = memoryview(piece).cast("B")
+        if pos + len(view) > header.data_len:
+            raise ValueError(f"more than the header's {header.data_len} bytes of tensor data")
+        while len(view):
+            while specs[i].end <= pos:
+                i += 1
+            take = min(specs[i].end - pos, len(view))
+            hashers[i].update(view[:take])
+            view, pos = view[take:], pos + take
+    if pos != header.data_len:
+        raise ValueError(f"{pos} bytes of tensor data, not {header.data_len}")
+    return {spec.name: h.hexdigest() for spec, h in zip(specs, hashers, strict=True)}
 
 
 def _put_encoded(

@@ -480,7 +480,9 @@ def _raise_for(status: int, data: bytes) -> None:
         err = json.loads(data)["error"]
         code, message = err["code"], err["message"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise CkptStoreError(f"HTTP {status}: {data[:500]!r}") from exc
+        plain = CkptStoreError(f"HTTP {status}: {data[:500]!r}")  # not the service's error
+        plain.status = status
+        raise plain from exc
     raise error_from_code(code, message, status)
 
 

@@ -84,6 +84,9 @@ CALLS: dict[tuple[str, str], Call] = {
     ("PUT", _STEP + "/parts/{part}"): Call(
         "PUT", "/v1/runs/{run}/checkpoints/8/parts/rank-0", body=_SAVE
     ),
+    ("POST", _STEP + "/parts/{part}/check"): Call(
+        "POST", "/v1/runs/{run}/checkpoints/8/parts/rank-0/check", json={"header": "{}"}
+    ),
     ("POST", _STEP + "/commit"): Call(
         "POST", "/v1/runs/{run}/checkpoints/1/commit", json={"parts": ["rank-0"]}
     ),

@@ -23,6 +23,8 @@ def _tree(core_only: bool) -> set[Row]:
     for cls in error_types():
         if core_only and cls.__module__ != errors_module.__name__:
             continue
+        if cls.__module__.split(".")[0] == "ckptstore":
+            continue  # the client's own refinements (transport.RetriedOut) travel no wire
         base = cls.__base__
         parent = None if base is CkptStoreError else base.__name__  # type: ignore[union-attr]
         rows.add((cls.__name__, cls.status, cls.code, parent))

@@ -112,6 +112,7 @@ ROUTE_ACCESS: dict[tuple[str, str], Access] = {
     ("GET", _STEP + "/blobs/{index}"): _READ_RUN,  # a range of a blob its chains read
     ("POST", _STEP): _WRITE_RUN,
     ("PUT", _STEP + "/parts/{part}"): _WRITE_RUN,
+    ("POST", _STEP + "/parts/{part}/check"): _WRITE_RUN,  # before the part's body: its upload's
     ("POST", _STEP + "/commit"): _WRITE_RUN,
     ("POST", _STEP + "/plan"): _WRITE_RUN,  # a writer's plan (direct=True): part of a save
     ("PUT", _STEP + "/parts/{part}/encoded"): _WRITE_RUN,

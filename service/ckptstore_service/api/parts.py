@@ -2,6 +2,7 @@
 resharding load makes: a checkpoint's table of tensors, and a chosen few of its tensors.
 
     PUT  /v1/runs/{run}/checkpoints/{step}/parts/{part}   one writer's part (safetensors)
+    POST /v1/runs/{run}/checkpoints/{step}/parts/{part}/check  before its body: committed?
     POST /v1/runs/{run}/checkpoints/{step}/commit         {"parts": [...], "metadata": {...}}
     GET  /v1/runs/{run}/checkpoints/{step}/info           record, metadata, tensor table
     POST /v1/runs/{run}/checkpoints/{step}/select         {"names": [...]} -> safetensors
@@ -45,6 +46,8 @@ from ckptstore_service.api.deps import MaintenanceDep, RuntimeDep, UploadLimiter
 from ckptstore_service.api.openapi import CHECKPOINT_STREAM, SAFETENSORS_BODY, error_responses
 from ckptstore_service.api.routes import stream_response
 from ckptstore_service.api.schemas import (
+    CheckIn,
+    CheckOut,
     CheckpointDetail,
     CommitIn,
     PartOut,
@@ -95,6 +98,31 @@ async def save_part(
     return await _stored_part(run, step, part, request, uploads, rt.parts.ingest_part)
 
 
+@router.post(
+    _CHECKPOINT + "/parts/{part}/check",
+    response_model=CheckOut,
+    responses=error_responses(
+        InvalidRequest, InvalidStream, CheckpointExists, PayloadTooLarge, StorageUnavailable
+    ),
+)
+async def check_part(
+    run: Run, step: Step, part: PartName, body: CheckIn, rt: RuntimeDep
+) -> dict[str, Any]:
+    """Before a part's body is sent: whether step `step` is committed already and, if so,
+    whether the part (its header, and the checksums of its tensors) holds the committed
+    content, compared from the checksums alone (a region of another rank layout is read
+    back and hashed here). `committed: false`: upload the part as usual; `same: true`: the
+    part's save is done, nothing is stored; other content: a 409 naming the tensor."""
+    check_run_name(run)
+    step_n = _step(step)
+    committed, stored = await run_in_threadpool(
+        rt.parts.check, run, step_n, part, body.header, body.checksums
+    )
+    same = committed and stored is not None
+    out = _part_out(run, step_n, stored) if stored is not None else None
+    return CheckOut(committed=committed, same=True if same else None, part=out).model_dump()
+
+
 async def _stored_part(
     run: str,
     step: str,
@@ -113,7 +141,12 @@ async def _stored_part(
 
 
 def _part_answer(run: str, step_n: int, stored: PartRecord, created: bool) -> JSONResponse:
-    out = PartOut(
+    out = _part_out(run, step_n, stored)
+    return JSONResponse(out.model_dump(), status_code=201 if created else 200)
+
+
+def _part_out(run: str, step_n: int, stored: PartRecord) -> PartOut:
+    return PartOut(
         run=run,
         step=step_n,
         part=stored.name,
@@ -122,7 +155,6 @@ def _part_answer(run: str, step_n: int, stored: PartRecord, created: bool) -> JS
         stored_bytes=stored.stored_bytes,
         committed=stored.id == 0,  # the record of a part compared, not stored: no row
     )
-    return JSONResponse(out.model_dump(), status_code=201 if created else 200)
 
 
 @router.post(_CHECKPOINT + "/plan", responses=error_responses(InvalidRequest, StorageUnavailable))

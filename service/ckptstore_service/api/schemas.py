@@ -15,6 +15,8 @@ from ckptstore_core.names import RUN_NAME_RULE
 from ckptstore_core.records import CheckpointInfo, RunInfo
 
 __all__ = [
+    "CheckIn",
+    "CheckOut",
     "CheckpointDetail",
     "CheckpointsOut",
     "CommitIn",
@@ -68,6 +70,33 @@ class PartOut(BaseModel):
         description="The step was committed already and holds this part's content: nothing "
         "was stored (a save run again)",
     )
+
+
+class CheckIn(BaseModel):
+    header: str = Field(
+        description="The part's safetensors header (its JSON), as its upload would send it"
+    )
+    checksums: dict[str, str] | None = Field(
+        None,
+        description="The xxh3-128 (hex) of each tensor's bytes, by name: every tensor of the "
+        "header. Without them only the header is compared (the bytes are hashed only "
+        "once the step is known to be committed)",
+    )
+
+
+class CheckOut(BaseModel):
+    """What a writer learns before it sends a part's body."""
+
+    committed: bool = Field(
+        description="The step is committed already. False: send the part as usual"
+    )
+    same: bool | None = Field(
+        None,
+        description="True: the part holds the committed content, its save is done (`part`) "
+        "and its body is not to be sent. None: committed, but no checksums were given: ask "
+        "again with them. Other content is a 409",
+    )
+    part: PartOut | None = Field(None, description="The part compared, not stored (`same`)")
 
 
 class CommitIn(BaseModel):

@@ -18,7 +18,9 @@ dtype), so a part of another shape is refused before its body is read; the body 
 and hashed, never stored. A part compared by name costs its upload and no storage at all; one
 compared through the layout also reads the overlapping stored pieces back (whole-row regions
 streamed, other regions put together in memory one full tensor at a time, as a plain GET
-does).
+does). A writer that asks first (``POST .../parts/{part}/check``: its header and the
+checksums of its tensors, :func:`check_digests`) is compared the same way without sending
+its body at all.
 
 *Same content* for a commit naming other parts than the committed ones (none of them: a
 commit naming some of the committed parts is another set of the same save's parts): a DCP
@@ -44,7 +46,7 @@ from ckptstore_service.catalog import CheckpointRecord, TensorInfo
 from ckptstore_service.chains import Piece
 from ckptstore_service.save.header import Incoming
 
-__all__ = ["ReadTensors", "check_commit", "check_part"]
+__all__ = ["ReadTensors", "check_commit", "check_digests", "check_part"]
 
 #: The bytes of some of a checkpoint's tensors, in the order given, verified.
 ReadTensors = Callable[[CheckpointRecord, list[TensorInfo]], Iterator[Piece]]
@@ -101,11 +103,61 @@ def check_part(
     CheckpointExists naming ``what`` and the first tensor that differs. Consumes the body;
     ``read`` reads stored tensors back for the regions compared through the layout."""
     header = incoming.header
+    found = _match(info, stored, header.tensors, what)
+    hashers = [xxhash.xxh3_128() for _ in header.tensors]
+    for piece in incoming.pieces:
+        hashers[piece.index].update(piece.data)
+    found.compare([h.digest() for h in hashers], read, what)
+
+
+def check_digests(
+    info: CheckpointRecord,
+    stored: Sequence[TensorInfo],
+    specs: Sequence[TensorSpec],
+    digests: Sequence[bytes] | None,
+    read: ReadTensors,
+    what: str,
+) -> None:
+    """:func:`check_part` of a part described, not sent: its tensors ``specs`` and the
+    xxh3-128 ``digests`` of their bytes, in the same order (None: the specs are checked
+    only). A region of another rank layout is read back and hashed here."""
+    found = _match(info, stored, specs, what)
+    if digests is not None:
+        found.compare(digests, read, what)
+
+
+@dataclass
+class _Match:
+    """Where each tensor of a part lies in a committed checkpoint: a stored tensor of its
+    name (``direct``, by the part's index), or a region of a full tensor (``fulls``)."""
+
+    info: CheckpointRecord
+    direct: dict[int, TensorInfo]
+    fulls: list[_Full]
+    regions: list[_Region]
+
+    def compare(self, digests: Sequence[bytes], read: ReadTensors, what: str) -> None:
+        """CheckpointExists naming the first tensor whose ``digests`` (by the part's index)
+        is not what the checkpoint holds at its place."""
+        for i, t in self.direct.items():
+            if digests[i] != t.sent:
+                raise CheckpointExists(f"{what}: its tensor {t.name!r} holds other content")
+        if self.regions:
+            for region in self.regions:
+                region.digest = digests[region.index]
+            _compare_regions(self.info, self.fulls, read, what)
+
+
+def _match(
+    info: CheckpointRecord, stored: Sequence[TensorInfo], specs: Sequence[TensorSpec], what: str
+) -> _Match:
+    """Each of ``specs`` as a stored tensor or a region of one; CheckpointExists for one
+    that is neither (another name, dtype or shape: other content)."""
     by_name = {t.name: t for t in stored}
     fulls = _fulls(info, stored)
     direct: dict[int, TensorInfo] = {}
     regions: list[_Region] = []
-    for i, spec in enumerate(header.tensors):
+    for i, spec in enumerate(specs):
         same = by_name.get(spec.name)
         if same is not None and same.dtype == spec.dtype and same.shape == spec.shape:
             direct[i] = same
@@ -117,16 +169,7 @@ def check_part(
                 "tensor of the committed checkpoint, nor a region of one: other content"
             )
         regions.append(region)
-    hashers = [xxhash.xxh3_128() for _ in header.tensors]
-    for piece in incoming.pieces:
-        hashers[piece.index].update(piece.data)
-    for i, t in direct.items():
-        if hashers[i].digest() != t.sent:
-            raise CheckpointExists(f"{what}: its tensor {t.name!r} holds other content")
-    if regions:
-        for region in regions:
-            region.digest = hashers[region.index].digest()
-        _compare_regions(info, [f for f in fulls.values() if f.regions], read, what)
+    return _Match(info, direct, [f for f in fulls.values() if f.regions], regions)
 
 
 def check_commit(

@@ -27,7 +27,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from ckptstore_service.catalog import Catalog, Lease, PartRecord
 from ckptstore_service.catalog.models import CLIENT
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.names import blob_key, check_part_name, parse_blob_key
-from ckptstore_service.save.header import body_parser, check_metadata
+from ckptstore_service.save.header import body_parser, check_metadata, header_of
 from ckptstore_service.save.parts import PartSaver, unstored_part
 from ckptstore_service.save.plan import keyframe_after, parent_rows, planner_for
 from ckptstore_service.save.upload import PartTransaction
@@ -292,13 +291,7 @@ def _check_upload_key(run: str, step: int, key: str) -> None:
 
 def _header_of(text: bytes, settings: Settings) -> Header:
     """A part's safetensors header (its JSON ``text``), checked as an upload's is."""
-    parser = body_parser(settings)
-    body = struct.pack("<Q", len(text)) + text
-    found = [e for e in parser.feed(body) if isinstance(e, Header)]
-    if not found:
-        raise InvalidStream("the part's header is incomplete")
-    header = found[0]
-    check_metadata(header)
+    header = header_of(text, settings)
     if LOSSY_KEY in header.metadata:
         raise InvalidRequest("a part encoded by its writer cannot be lossy")
     return header

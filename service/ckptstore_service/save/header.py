@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import struct
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from ckptstore_service.settings import Settings
 __all__ = [
     "Incoming",
     "check_metadata",
+    "header_of",
     "open_body",
     "read_header",
     "same_content",
@@ -59,6 +61,19 @@ def body_parser(settings: Settings) -> StreamParser:
         max_tensors=settings.max_tensors,
         limit_name="CKPTSTORE_MAX_TENSORS",
     )
+
+
+def header_of(text: bytes, settings: Settings) -> Header:
+    """A part's safetensors header sent as JSON ``text`` (no body after it), checked as an
+    upload's header is (InvalidStream, PayloadTooLarge)."""
+    parser = body_parser(settings)
+    body = struct.pack("<Q", len(text)) + text
+    found = [e for e in parser.feed(body) if isinstance(e, Header)]
+    if not found:
+        raise InvalidStream("the part's header is incomplete")
+    header = found[0]
+    check_metadata(header)
+    return header
 
 
 def open_body(body: Iterable[bytes], content_length: int | None, settings: Settings) -> Incoming:

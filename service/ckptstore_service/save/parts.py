@@ -17,7 +17,9 @@ that every named part is done, and makes the checkpoint visible in one transacti
 
 A step committed already takes parts and commits of the same content again, storing nothing
 (a save whose answer was lost, retried under a new save token, maybe by another world size:
-:mod:`ckptstore_service.save.committed` defines *the same*); other content is a 409.
+:mod:`ckptstore_service.save.committed` defines *the same*); other content is a 409. A
+writer learns either before it sends a part's body (:meth:`PartSaver.check`: its header,
+then the checksums of its tensors once the step is known to be committed).
 """
 
 from __future__ import annotations
@@ -41,8 +43,19 @@ from ckptstore_service.maintenance.garbage import delete_blob
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.names import check_part_name
 from ckptstore_service.restore import tensors_of
-from ckptstore_service.save.committed import ReadTensors, check_commit, check_part
-from ckptstore_service.save.header import Incoming, open_body, same_content, wait_for_data
+from ckptstore_service.save.committed import (
+    ReadTensors,
+    check_commit,
+    check_digests,
+    check_part,
+)
+from ckptstore_service.save.header import (
+    Incoming,
+    header_of,
+    open_body,
+    same_content,
+    wait_for_data,
+)
 from ckptstore_service.save.plan import keyframe_after, planner_for
 from ckptstore_service.save.upload import PartTransaction
 from ckptstore_service.settings import Settings
@@ -131,6 +144,33 @@ class PartSaver:
             if committed is not None:
                 return 0, committed
             return self._catalog.open_parts(run_id, step), None
+
+    def check(
+        self, run: str, step: int, name: str, text: str, checksums: Mapping[str, str] | None
+    ) -> tuple[bool, PartRecord | None]:
+        """Whether part ``name`` of ``run/step`` (``text``: its safetensors header;
+        ``checksums``: the xxh3-128 hex of each tensor's bytes by name, or None) needs its
+        body sent: ``(False, None)`` while the step is not committed (send it); once it is,
+        ``(True, record)`` of a part compared and not stored when it holds the committed
+        content, ``(True, None)`` when its tensors lie in the committed checkpoint but no
+        checksums came to compare (ask again with them); CheckpointExists naming the first
+        tensor that differs. The stored regions a part of another rank layout covers are
+        read back and hashed, as its upload would have them."""
+        check_part_name(name)
+        header = header_of(text.encode(), self._settings)
+        if LOSSY_KEY in header.metadata:
+            raise InvalidRequest(_NO_LOSSY_PARTS)
+        digests = None if checksums is None else _digests(header, checksums)
+        info = self._catalog.find(run, step)
+        if info is None:
+            return False, None
+        what = f"part {name!r} of {run}/{step}, which is committed already"
+        stored = tensors_of(self._catalog, info)
+        check_digests(info, stored, header.tensors, digests, self._read, what)
+        if digests is None:
+            return True, None
+        log.info("part %s of %s/%d: committed already, the same checksums", name, run, step)
+        return True, unstored_part(info.id, name, header)
 
     def _committed_again(self, info: CheckpointRecord, name: str, incoming: Incoming) -> PartRecord:
         """Part ``name`` of checkpoint ``info``, committed already, compared with it and not
@@ -267,6 +307,22 @@ class PartSaver:
         self._catalog.drop_part(part.id)
         self._metrics.parts_collected([part])
         return True
+
+
+def _digests(header: Header, checksums: Mapping[str, str]) -> list[bytes]:
+    """The 16-byte xxh3-128 of each of ``header``'s tensors, in its order, from their hex
+    ``checksums`` by name (InvalidRequest unless there is one per tensor, and no other)."""
+    names = [t.name for t in header.tensors]
+    if set(checksums) != set(names):
+        odd = sorted(set(checksums) ^ set(names))[:3]
+        raise InvalidRequest(f"checksums must name every tensor of the header and no other: {odd}")
+    out = []
+    for name in names:
+        text = checksums[name]
+        if len(text) != 32 or text.strip("0123456789abcdef"):
+            raise InvalidRequest(f"checksum of {name!r}: not 32 lowercase hex digits")
+        out.append(bytes.fromhex(text))
+    return out
 
 
 def unstored_part(checkpoint_id: int, name: str, header: Header) -> PartRecord:
