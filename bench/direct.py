@@ -3,6 +3,7 @@ the same real training checkpoints (bench/models.py), one writer, one replica, o
 backend (SQLite + a folder) or the production ones (``--backend s3``: PostgreSQL + moto).
 
     .venv/bin/python bench/direct.py [--quick] [--runs ...] [--backend local|s3] [--out bench/out]
+        [--synthetic MIB [--ranks N ...]] [--modes service direct]
 
 For each run, each mode saves the same checkpoints in order into a fresh service, then
 loads every one back (a direct client decodes them itself) and compares it bit for bit.
@@ -19,7 +20,11 @@ are measured apart: direct saves move the encoding to the writer; decoding each
 client-encoded checkpoint once stays on the service, in the background, within its CPU
 share.
 
-Output: a table and bench/out/direct[-s3].json. Never fails on a missed target.
+``--ranks 1 2 4`` (with ``--synthetic``): the same checkpoints as distributed saves and
+loads of N ranks each, through one replica (:func:`measure_ranks`).
+
+Output: a table and bench/out/direct[-s3].json (``--ranks``: direct-ranks[-s3].json).
+Never fails on a missed target.
 """
 
 from __future__ import annotations
