@@ -12,6 +12,7 @@ from typing import Any
 import boto3
 import pytest
 
+from ckptstore.direct import put_part
 from ckptstore_core.errors import StorageUnavailable
 from ckptstore_service.storage import BlobNotFound, BlobStore, open_blob_store
 from ckptstore_service.storage.s3 import MIN_PART_SIZE, S3BlobStore
@@ -252,3 +253,21 @@ def test_empty_range_of_missing_blob(s3_endpoint: str) -> None:
     store = new_store(s3_endpoint)
     with pytest.raises(BlobNotFound):
         store.get("missing", (0, 0))
+
+
+def test_a_presigned_upload_takes_about_32_parts_of_8_to_32_mib(s3_endpoint: str) -> None:
+    # fewer, larger parts for large uploads: URLs signed, parts listed and completed, PUTs
+    store = new_store(s3_endpoint, part_size=8 * MiB)
+    assert store.presigned_part_size(100) == 8 * MiB
+    assert store.presigned_part_size(256 * MiB) == 8 * MiB
+    assert store.presigned_part_size(700 * MiB + 1) == 22 * MiB  # whole MiB, 32 parts
+    assert store.presigned_part_size(1 << 30) == 32 * MiB
+    assert store.presigned_part_size(10 << 30) == 32 * MiB  # then more parts
+    key = "runs/r/1-" + "0" * 32 + ".1.presigned.blob"
+    up = store.presigned_upload(key, (1 << 30) + 12345, 600)
+    assert (up.part_size, len(up.urls)) == (32 * MiB, 33)
+    first = os.urandom(up.part_size)
+    put_part(up.urls[0], first, 30)
+    put_part(up.urls[1], b"tail", 30)
+    assert store.complete_presigned(key, up.upload_id, len(first) + 4) == len(first) + 4
+    assert store.get(key) == first + b"tail"

@@ -64,6 +64,12 @@ MiB = 1 << 20
 MIN_PART_SIZE = 5 * MiB  # S3's floor for every part but the last
 MAX_PART_SIZE = 5 * 1024 * MiB
 MAX_PARTS = 10_000
+#: a presigned upload is cut into about this many parts, each of the store's part size at
+#: least and PRESIGNED_PART_MAX at most: each part is a URL signed, a PUT (S3 takes 3,500 a
+#: second per prefix), a part listed and completed (service CPU: docs/scale.md); the writer
+#: holds three parts of memory (two PUTs in flight, one filling)
+PRESIGNED_PARTS = 32
+PRESIGNED_PART_MAX = 32 * MiB
 # Parts double in size every this many parts, so one upload reaches terabytes within S3's
 # 10,000-part limit while ordinary blobs keep the configured (memory-friendly) part size.
 PARTS_PER_DOUBLING = 1000
@@ -320,10 +326,11 @@ class S3BlobStore(BlobStore):
         # would have to list one per part
         if not key.endswith(PRESIGNED_SUFFIX):
             raise ValueError(f"a presigned upload's key ends in {PRESIGNED_SUFFIX}: {key!r}")
-        parts = max(1, -(-max_bytes // self.part_size))
+        part_size = self.presigned_part_size(max_bytes)
+        parts = max(1, -(-max_bytes // part_size))
         if parts > MAX_PARTS:
             raise PayloadTooLarge(
-                f"an upload of {max_bytes} bytes takes {parts} parts of {self.part_size} "
+                f"an upload of {max_bytes} bytes takes {parts} parts of {part_size} "
                 f"bytes, more than S3's {MAX_PARTS}"
             )
         full = self.prefix + check_key(key)
@@ -344,7 +351,15 @@ class S3BlobStore(BlobStore):
                 )
                 for n in range(1, parts + 1)
             )
-        return PresignedUpload(upload_id, self.part_size, urls)
+        return PresignedUpload(upload_id, part_size, urls)
+
+    def presigned_part_size(self, max_bytes: int) -> int:
+        """The part size of a presigned upload of at most ``max_bytes``: about
+        :data:`PRESIGNED_PARTS` parts, whole MiB, within ``[part_size, PRESIGNED_PART_MAX]``
+        (never below the store's part size)."""
+        even = -(-max(max_bytes, 1) // PRESIGNED_PARTS)
+        even = -(-even // MiB) * MiB
+        return max(self.part_size, min(even, PRESIGNED_PART_MAX))
 
     def complete_presigned(self, key: str, upload_id: str, size: int) -> int:
         full = self.prefix + check_key(key)
