@@ -69,7 +69,7 @@ from ckptstore_core.encoded import (
     frame,
     tail_doc,
 )
-from ckptstore_core.errors import StorageUnavailable
+from ckptstore_core.errors import CkptStoreError, StorageUnavailable
 from ckptstore_core.pipeline import (
     BaseChunk,
     Budget,
@@ -86,6 +86,7 @@ __all__ = [
     "PUT_ATTEMPTS",
     "PUT_BACKOFF_MAX_S",
     "PUT_BACKOFF_S",
+    "READ_BASES",
     "BaseFile",
     "DirectWriter",
     "LoadedBase",
@@ -107,6 +108,9 @@ PUT_ATTEMPTS = 5
 PUT_BACKOFF_S = 0.5
 #: The longest wait before a retry of a part PUT.
 PUT_BACKOFF_MAX_S = 8.0
+#: Whether a direct save reads the parent's tensors it holds no base for from the store
+#: (docs/scale.md, "Bases read from the store": measured there).
+READ_BASES = True
 #: The store's answers to a part PUT that are retried (S3's retriable errors).
 _RETRIED_STATUS = frozenset({500, 502, 503, 504})
 logger = logging.getLogger("ckptstore")
@@ -146,6 +150,7 @@ class DirectWriter:
         *,
         put_attempts: int = PUT_ATTEMPTS,
         put_backoff: float = PUT_BACKOFF_S,
+        read_bases: bool = READ_BASES,
     ) -> None:
         if put_attempts < 1:
             raise ValueError("put_attempts must be at least 1")
@@ -156,6 +161,7 @@ class DirectWriter:
         self._bases: OrderedDict[tuple[str, str], BaseFile] = OrderedDict()
         self._keep = keep_runs
         self._lock = threading.Lock()
+        self.read_bases = read_bases
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -169,15 +175,21 @@ class DirectWriter:
         part: str,
         specs: Sequence[Spec],
         data: Callable[[], Iterator[TensorPiece]],
+        *,
+        read_bases: bool | None = None,
     ) -> Sent:
         r"""Plan, encode and send part ``part`` of the checkpoint at ``path`` (its URL path)
         of ``run``: the tensors ``specs``, whose bytes ``data`` yields in that order. One
         attempt (the caller retries the whole part). The new raw file becomes the run's base
-        once the caller :meth:`keep`\ s it, else :meth:`discard` it."""
+        once the caller :meth:`keep`\ s it, else :meth:`discard` it. ``read_bases`` (None:
+        the writer's :attr:`read_bases`): the parent's tensors this writer holds no base for
+        are read from the store first (:meth:`_read_bases`)."""
         names = {"names": [s[0] for s in specs]}
         plan = Plan.from_json(transport.call("POST", path + "/plan", names, retried=False))
         prefix, header = encode_header(list(specs), {})
         key = (transport.url, run)
+        if self.read_bases if read_bases is None else read_bases:
+            self._read_bases(transport, run, plan, specs)
         with self._lock:
             base = self._bases.get(key)  # one snapshot for the plan and the bytes
         planner, sums = _planner(base, plan, header)
@@ -254,6 +266,38 @@ class DirectWriter:
             os.unlink(raw_path)
             raise
         return Sent(answer, key, BaseFile(raw_path, tuple(result[0].tensors)))
+
+    def _read_bases(self, transport: Transport, run: str, plan: Plan, specs: Sequence[Spec]) -> None:
+        """The parent's tensors that the plan may diff against (:func:`_unheld`) fetched
+        and decoded as a direct load would (``POST .../ranges`` of the parent's step,
+        ranged reads, the core's decoder: each chunk and tensor checked against its
+        checksum), each one whose checksum is the plan's added to the run's base as it
+        comes (:class:`LoadedBase`: one tensor in memory at a time, plus the decoder's
+        read-ahead). A base is a saving, never a condition: a parent that cannot be read
+        (corrupt, gone, the store away) leaves the tensors it did not yield self-contained,
+        with a warning."""
+        key = (transport.url, run)
+        with self._lock:
+            base = self._bases.get(key)
+        wanted = _unheld(base, plan, specs)
+        if not wanted:
+            return
+        from ckptstore.direct_load import each_parent  # the decoder's imports: when used
+
+        assert plan.parent_step is not None and plan.parent_id is not None
+        sums = {t.name: t.checksum for t in wanted}
+        try:
+            with self.loaded(*key) as into:
+                for t, buf in each_parent(
+                    transport, run, plan.parent_step, plan.parent_id, sums, self._workers
+                ):
+                    into.add(t, buf)
+        except (CkptStoreError, OSError, ValueError) as exc:
+            log.warning(
+                "the parent (step %s) of run %r could not be read as a base: its tensors "
+                "left are encoded self-contained (%s)",
+                plan.parent_step, run, exc,
+            )  # fmt: skip
 
     def keep(self, sent: Sent) -> None:
         """``sent``'s raw bytes are its run's base from now on. Safe before its commit too:
@@ -373,6 +417,26 @@ def _write_all(fd: int, data: memoryview, at: int) -> None:
     while len(data):
         n = os.pwrite(fd, data, at)
         data, at = data[n:], at + n
+
+
+def _unheld(base: BaseFile | None, plan: Plan, specs: Sequence[Spec]) -> list[TensorInfo]:
+    """The plan's parent tensors worth reading from the store as a base: one of ``specs``
+    (same name, dtype and shape), not empty, that ``base`` does not hold already (same
+    checksum), with a chunk a delta may rest on (its chain shorter than the plan's depth
+    limit); none where the save is a keyframe or the run's first."""
+    if plan.keyframe or plan.parent_step is None:
+        return []
+    held = set() if base is None else {(t.name, t.dtype, t.shape, t.checksum) for t in base.tensors}
+    sent = {(n, d, tuple(s)) for n, d, s in specs}
+    shallow = {c.tensor_idx for c in plan.chunks if c.depth < plan.max_chain_depth}
+    return [
+        t
+        for t in plan.tensors
+        if (t.name, t.dtype, t.shape) in sent
+        and t.nbytes
+        and (t.name, t.dtype, t.shape, t.checksum) not in held
+        and t.idx in shallow
+    ]
 
 
 def _planner(

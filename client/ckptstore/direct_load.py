@@ -17,12 +17,13 @@ service and by writers) decode alike: the rows say how each link is stored.
 
 from __future__ import annotations
 
+import logging
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Collection, Generator, Iterator
+from collections.abc import Collection, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,9 @@ from ckptstore_core.errors import CorruptData, StorageUnavailable
 from ckptstore_core.pipeline.rows import ChunkInfo, TensorInfo
 from ckptstore_core.pipeline.sink import Buffer
 
-__all__ = ["Loaded", "each_direct", "load_direct"]
+__all__ = ["Loaded", "each_direct", "each_parent", "load_direct"]
+
+log = logging.getLogger("ckptstore")
 
 _AHEAD = 64 << 20  # decoded bytes queued ahead of the copy into the tensors' buffers
 _KEEP = 64 << 20  # decoded fp32 masters kept for their bf16/f16 copies
@@ -110,6 +113,30 @@ def each_direct(
     decoded and checked, in the service's order: the caller holds one tensor at a time
     (plus the decoder's read-ahead), not all of them. ``keep_base``: as :func:`load_direct`."""
     yield from _checked(_layout(transport, run, step, None, names), workers, keep_base)
+
+
+def each_parent(
+    transport: Transport,
+    run: str,
+    step: int,
+    checkpoint_id: int,
+    sums: Mapping[str, bytes],
+    workers: int | None = None,
+) -> Iterator[tuple[TensorInfo, memoryview]]:
+    """The stored tensors of ``run/step`` named in ``sums`` whose checksum is the one
+    ``sums`` gives (a direct save's plan's parent: :meth:`ckptstore.direct.DirectWriter.
+    save_part`), each decoded and checked as :func:`each_direct`'s; none where the step is
+    no longer checkpoint ``checkpoint_id`` (deleted and saved again since the plan)."""
+    layout = _layout(transport, run, step, None, list(sums))
+    if layout.checkpoint_id != checkpoint_id:
+        return
+    tensors = [t for t in layout.tensors if sums.get(t.name) == t.checksum]
+    if len(tensors) < len(layout.tensors):
+        log.warning(
+            "%d tensors of %s step %s differ from the plan's checksums: not read as bases",
+            len(layout.tensors) - len(tensors), run, step,
+        )  # fmt: skip
+    yield from _decoded(replace(layout, tensors=tensors), workers)
 
 
 def _layout(

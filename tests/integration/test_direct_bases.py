@@ -7,6 +7,7 @@ starts with none."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,7 @@ def test_a_resumed_job_diffs_its_first_direct_save_against_what_it_loaded(
             client.save(run, 1, state(1))
             client.save(run, 2, state(2))
     new_process()
-    with CheckpointClient(service.url, direct=True) as client:
+    with CheckpointClient(service.url, direct=True, read_bases=False) as client:
         assert_same_state(state(2), client.load("resumed", 2), path="loaded")
         client.save("resumed", 3, state(3))
         client.save("cold", 3, state(3))
@@ -276,3 +277,110 @@ def test_a_base_file_changed_on_disk_is_no_base_for_the_chunk_it_spoils(
     assert {s: c["verification"] for s, c in listed.items()} == dict.fromkeys((1, 2, 3), "verified")
     assert listed[3]["stored_bytes"] < listed[1]["stored_bytes"]
     assert_loads_exactly(service, "tampered", {s: state(s) for s in (1, 2, 3)})
+
+
+def test_a_new_process_reads_its_base_from_the_stored_parent(
+    make_service: Callable[..., Service],
+    new_process: Callable[[], None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A process that neither saved nor loaded run ``read`` saves its step 2: with
+    ``read_bases`` it reads step 1's tensors from the store (ranges + the core's decoder,
+    each checked) and stores step 2 as a delta, as small as the saving process's own delta
+    (run ``own``); without, step 2 is self-contained (run ``cold``). Every step loads bit
+    for bit and is verified."""
+    service = make_service(FAST_VERIFIER)
+    with CheckpointClient(service.url, direct=True) as client:
+        for run in ("read", "cold", "own"):
+            client.save(run, 1, state(1))
+        client.save("own", 2, state(2))
+    new_process()
+    for run, read in (("read", True), ("cold", False)):
+        with CheckpointClient(service.url, direct=True, read_bases=read) as client:
+            with caplog.at_level("WARNING", logger="ckptstore"):
+                client.save(run, 2, state(2))
+        new_process()
+    assert "could not be read" not in caplog.text
+    read, cold, own = (verified(service, run) for run in ("read", "cold", "own"))
+    keyframe = read[1]["stored_bytes"]
+    assert read[2]["parent_step"] == 1
+    assert read[2]["stored_bytes"] < keyframe / 2
+    assert read[2]["stored_bytes"] < 1.2 * own[2]["stored_bytes"]
+    assert cold[2]["stored_bytes"] > 0.9 * keyframe
+    assert {s: c["verification"] for s, c in read.items()} == {1: "verified", 2: "verified"}
+    assert_loads_exactly(service, "read", {s: state(s) for s in (1, 2)})
+
+
+def test_a_corrupt_stored_parent_is_no_base(
+    make_service: Callable[..., Service],
+    new_process: Callable[[], None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Step 1's blob has a byte flipped every 16 KiB in the store (every chunk): reading
+    it as a base fails its checksum, so a new process's step 2 is encoded self-contained
+    (a warning says so) and loads bit for bit; with the bytes put back, step 1 loads
+    exactly too."""
+    service = make_service(FAST_VERIFIER)
+    with CheckpointClient(service.url, direct=True) as client:
+        client.save("rotten", 1, state(1))
+    verified(service, "rotten")
+    (blob,) = service.data_dir.rglob("*.blob")
+    clean = blob.read_bytes()
+    rotten = bytearray(clean)
+    for at in range(4096, len(rotten), 16 << 10):
+        rotten[at] ^= 0x10
+    blob.write_bytes(rotten)
+    new_process()
+    with (
+        CheckpointClient(service.url, direct=True, read_bases=True) as client,
+        caplog.at_level("WARNING", logger="ckptstore"),
+    ):
+        client.save("rotten", 2, state(2))
+    assert "could not be read as a base" in caplog.text
+    blob.write_bytes(clean)
+    new_process()
+    listed = verified(service, "rotten")
+    assert listed[2]["verification"] == "verified"
+    assert listed[2]["stored_bytes"] > 0.9 * listed[1]["stored_bytes"]
+    assert_loads_exactly(service, "rotten", {s: state(s) for s in (1, 2)})
+
+
+def test_a_stored_parent_whose_checksum_is_not_the_plans_is_not_read(
+    make_service: Callable[..., Service],
+    new_process: Callable[[], None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The plan names a checksum for the parent's ``master/w`` that the stored tensor does
+    not have (a plan and a store that disagree): that tensor is not read as a base (a
+    warning says so) and is encoded self-contained; the others are read and diffed; the
+    save loads bit for bit."""
+    from ckptstore_core.encoded import Plan
+
+    service = make_service(FAST_VERIFIER)
+    with CheckpointClient(service.url, direct=True) as client:
+        client.save("disagree", 1, state(1))
+    new_process()
+    planned = Plan.from_json
+
+    def wrong_master(doc: dict[str, Any]) -> Plan:
+        plan = planned(doc)
+        tensors = tuple(
+            replace(t, checksum=bytes(16)) if t.name == "master/w" else t for t in plan.tensors
+        )
+        return replace(plan, tensors=tensors)
+
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        CheckpointClient(service.url, direct=True, read_bases=True) as client,
+        caplog.at_level("WARNING", logger="ckptstore"),
+    ):
+        patch.setattr(ckptstore.direct.Plan, "from_json", staticmethod(wrong_master))
+        client.save("disagree", 2, state(2))
+    assert "differ from the plan's checksums" in caplog.text
+    listed = verified(service, "disagree")
+    assert listed[2]["verification"] == "verified"
+    master = state(2)["master"]["w"].numel() * 4
+    # master/w was encoded self-contained, the bf16 copy and the embedding diffed
+    assert listed[2]["stored_bytes"] > master / 2
+    assert listed[2]["stored_bytes"] < listed[1]["stored_bytes"] - master / 4
+    assert_loads_exactly(service, "disagree", {s: state(s) for s in (1, 2)})
