@@ -14,8 +14,13 @@ parent's: the raw data of the last part it saved of the run (:class:`BaseFile`, 
 the pipeline as it encodes, on local disk, not in memory), with the tensors a direct load
 of the run decoded since (:class:`LoadedBase`: a restarted job's first save is a delta of
 what it loaded), tensor by tensor where the plan's parent tensor has the same name, dtype,
-shape and checksum. Anything else is encoded self-contained (the first save of a process
-that loaded nothing, a parent another writer saved). Memory: the pipeline's budget,
+shape and checksum. The parent's tensors of the save's names (and dtypes and shapes) that
+neither holds are read from the store first where ``read_bases`` (the default,
+:data:`READ_BASES`): the direct load's ranged reads and decoder, each tensor checked against
+the plan's checksum and added to the run's base file as it comes (:meth:`DirectWriter.
+_read_bases`), but for a tensor whose chain would fetch more than :data:`READ_LIMIT` stored
+bytes per raw byte of it. Anything else is encoded self-contained (a keyframe, a parent that is
+corrupt or cannot be read, a DCP part of another world size: other names). Memory: the pipeline's budget,
 ``2 * workers + 2`` chunks in flight (with the default 4 MiB chunks and 2 workers,
 24 MiB), plus the pieces queued for the socket; disk: one raw copy of what was last saved
 or loaded per run (the newest ``keep_runs`` runs).
@@ -87,6 +92,7 @@ __all__ = [
     "PUT_BACKOFF_MAX_S",
     "PUT_BACKOFF_S",
     "READ_BASES",
+    "READ_LIMIT",
     "BaseFile",
     "DirectWriter",
     "LoadedBase",
@@ -111,6 +117,9 @@ PUT_BACKOFF_MAX_S = 8.0
 #: Whether a direct save reads the parent's tensors it holds no base for from the store
 #: (docs/scale.md, "Bases read from the store": measured there).
 READ_BASES = True
+#: The most stored bytes a direct save reads as the base of a tensor, per raw byte of it
+#: (the tensor's chain: its keyframe and the deltas since; docs/scale.md).
+READ_LIMIT = 1.5
 #: The store's answers to a part PUT that are retried (S3's retriable errors).
 _RETRIED_STATUS = frozenset({500, 502, 503, 504})
 logger = logging.getLogger("ckptstore")
@@ -141,7 +150,10 @@ class DirectWriter:
     Its base files are keyed by service and run, so one writer serves every client of a
     process (:func:`shared_writer`): a DCP save makes a storage writer per checkpoint.
     ``put_attempts`` and ``put_backoff`` bound the retries of each part PUT straight to the
-    store (the module's docstring)."""
+    store (the module's docstring). ``read_bases`` (settable; a save may override it): a
+    save reads the parent's tensors this writer holds no base for from the store first
+    (:meth:`_read_bases`); ``shared_writer().read_bases = False`` turns that off for the
+    process's DCP and ``parts`` saves."""
 
     def __init__(
         self,
@@ -273,7 +285,8 @@ class DirectWriter:
         ranged reads, the core's decoder: each chunk and tensor checked against its
         checksum), each one whose checksum is the plan's added to the run's base as it
         comes (:class:`LoadedBase`: one tensor in memory at a time, plus the decoder's
-        read-ahead). A base is a saving, never a condition: a parent that cannot be read
+        read-ahead). Not a tensor whose chain would fetch more than :data:`READ_LIMIT`
+        stored bytes per raw byte of it. A base is a saving, never a condition: a parent that cannot be read
         (corrupt, gone, the store away) leaves the tensors it did not yield self-contained,
         with a warning."""
         key = (transport.url, run)
@@ -289,8 +302,9 @@ class DirectWriter:
         try:
             with self.loaded(*key) as into:
                 for t, buf in each_parent(
-                    transport, run, plan.parent_step, plan.parent_id, sums, self._workers
-                ):
+                    transport, run, plan.parent_step, plan.parent_id, sums, self._workers,
+                    READ_LIMIT,
+                ):  # fmt: skip
                     into.add(t, buf)
         except (CkptStoreError, OSError, ValueError) as exc:
             log.warning(

@@ -122,11 +122,14 @@ def each_parent(
     checkpoint_id: int,
     sums: Mapping[str, bytes],
     workers: int | None = None,
+    read_limit: float = float("inf"),
 ) -> Iterator[tuple[TensorInfo, memoryview]]:
     """The stored tensors of ``run/step`` named in ``sums`` whose checksum is the one
     ``sums`` gives (a direct save's plan's parent: :meth:`ckptstore.direct.DirectWriter.
     save_part`), each decoded and checked as :func:`each_direct`'s; none where the step is
-    no longer checkpoint ``checkpoint_id`` (deleted and saved again since the plan)."""
+    no longer checkpoint ``checkpoint_id`` (deleted and saved again since the plan); not
+    the tensors whose chains' stored bytes (what their reads fetch) pass ``read_limit``
+    times their raw bytes (deep in a chain of deltas that saved little)."""
     layout = _layout(transport, run, step, None, list(sums))
     if layout.checkpoint_id != checkpoint_id:
         return
@@ -136,7 +139,31 @@ def each_parent(
             "%d tensors of %s step %s differ from the plan's checksums: not read as bases",
             len(layout.tensors) - len(tensors), run, step,
         )  # fmt: skip
+    costs = _chain_bytes(layout)
+    cheap = [t for t in tensors if costs.get(t.idx, 0) <= read_limit * t.nbytes]
+    if len(cheap) < len(tensors):
+        log.info(
+            "%s step %s: %d tensors' chains hold more than %s stored bytes per raw byte: "
+            "not read as bases",
+            run, step, len(tensors) - len(cheap), read_limit,
+        )  # fmt: skip
+    tensors = cheap
     yield from _decoded(replace(layout, tensors=tensors), workers)
+
+
+def _chain_bytes(layout: _Layout) -> dict[int, int]:
+    """The stored bytes a read of each tensor of ``layout`` fetches: its own chunks and the
+    chunks their chains reach (each counted once per tensor)."""
+    reached: dict[int, set[int]] = {}
+    for c in layout.closure.values():
+        if c.checkpoint_id != layout.checkpoint_id:
+            continue
+        seen = reached.setdefault(c.tensor_idx, set())
+        link: ChunkInfo | None = c
+        while link is not None and link.id not in seen:
+            seen.add(link.id)
+            link = None if link.base_id is None else layout.closure.get(link.base_id)
+    return {i: sum(layout.closure[c].stored_len for c in ids) for i, ids in reached.items()}
 
 
 def _layout(

@@ -124,24 +124,33 @@ def test_a_job_that_loads_an_older_step_saves_exactly(
     make_service: Callable[..., Service], new_process: Callable[[], None]
 ) -> None:
     """A new process loads step 1 (not the latest) and saves step 3, whose parent is step
-    2: only what step 2 holds unchanged (the frozen embedding) is diffed against the loaded
-    bytes, the rest is self-contained; every step loads bit for bit."""
+    2: without ``read_bases`` only what step 2 holds unchanged (the frozen embedding) is
+    diffed against the loaded bytes, the rest is self-contained; with it (run
+    ``older-read``), the rest is read from step 2 in the store and diffed too. Every step
+    loads bit for bit."""
     service = make_service(FAST_VERIFIER)
     with CheckpointClient(service.url, direct=True) as client:
-        client.save("older", 1, state(1))
-        client.save("older", 2, state(2))
+        for run in ("older", "older-read"):
+            client.save(run, 1, state(1))
+            client.save(run, 2, state(2))
+    for run, read in (("older", False), ("older-read", True)):
+        new_process()
+        with CheckpointClient(service.url, direct=True, read_bases=read) as client:
+            assert_same_state(state(1), client.load(run, 1), path="loaded")
+            client.save(run, 3, state(3))
     new_process()
-    with CheckpointClient(service.url, direct=True) as client:
-        assert_same_state(state(1), client.load("older", 1), path="loaded")
-        client.save("older", 3, state(3))
-    new_process()
-    listed = verified(service, "older")
+    listed, read = verified(service, "older"), verified(service, "older-read")
     assert listed[3]["parent_step"] == 2
     frozen_bytes = _frozen().numel() * 4
     # the frozen embedding became references to step 2's chunks; nothing else was diffed
     assert listed[3]["stored_bytes"] < listed[1]["stored_bytes"] - frozen_bytes / 4
-    assert {s: c["verification"] for s, c in listed.items()} == dict.fromkeys((1, 2, 3), "verified")
-    assert_loads_exactly(service, "older", {s: state(s) for s in (1, 2, 3)})
+    assert listed[3]["stored_bytes"] > 1.5 * listed[2]["stored_bytes"]
+    assert read[3]["stored_bytes"] < 1.2 * read[2]["stored_bytes"]
+    for run, got in (("older", listed), ("older-read", read)):
+        assert {s: c["verification"] for s, c in got.items()} == dict.fromkeys(
+            (1, 2, 3), "verified"
+        )
+        assert_loads_exactly(service, run, {s: state(s) for s in (1, 2, 3)})
 
 
 def test_a_prefix_load_keeps_the_rest_of_the_base(
@@ -175,8 +184,8 @@ def test_dcp_ranks_resumed_from_a_direct_load_save_deltas(
 ) -> None:
     """2 FSDP2 ranks save steps 1 and 2 direct; restarted ranks load step 2 with
     ``CkptStoreReader(direct=True)`` and save step 3 direct: each rank's part diffs against
-    the pieces it loaded. The control (restarted ranks that load through the service) saves
-    step 3 self-contained. Every step loads bit for bit, through ``load_full(direct=True)``
+    the pieces it loaded. The control (restarted ranks that load through the service, and
+    read no bases from the store) saves step 3 self-contained. Every step loads bit for bit, through ``load_full(direct=True)``
     too."""
     from ckptstore.dcp import load_full
     from support import dcp_ranks
@@ -187,8 +196,9 @@ def test_dcp_ranks_resumed_from_a_direct_load_save_deltas(
         out.mkdir()
         dcp_ranks.launch(dcp_ranks.save_run, 2, service.url, run, str(out), [1, 2], 2, True)
         dcp_ranks.launch(
-            dcp_ranks.resumed_save, 2, service.url, run, str(out), 3, (load_direct, True)
-        )
+            dcp_ranks.resumed_save, 2, service.url, run, str(out), 3, (load_direct, True),
+            load_direct,
+        )  # fmt: skip
     resumed, cold = verified(service, "dcp-resumed"), verified(service, "dcp-cold")
     assert resumed[3]["parent_step"] == 2
     assert resumed[3]["stored_bytes"] < 0.8 * cold[3]["stored_bytes"]
