@@ -4,12 +4,13 @@ parent's tensors from the store as bases (``CheckpointClient(direct=True,
 read_bases=...)``), on a real AdamW training state (fp32 weights, their bf16 copy, the
 optimizer's moments, a frozen embedding), local backend.
 
-    .venv/bin/python bench/read_bases.py [--width 1024] [--repeats 3] [--limit 2.0] [--out bench/out]
+    .venv/bin/python bench/read_bases.py [--width 4096] [--repeats 3] [--limit 1.5]
+                                         [--out bench/out]
 
-Each repeat: a fresh run gets steps 1..4 from one process (a keyframe, then deltas); new
-processes save step 2 over step 1 alone (the parent a keyframe) and, in another run whose
-steps 1..4 one process saved, step 5 (the parent a delta: its chain's chunks are read too), ``read_bases`` on and off
-interleaved (each in a run of its own). Measured per save: stored bytes (the listing), the
+Each repeat, ``read_bases`` on and off interleaved (each in runs of its own): one process
+saves step 1 of a run and steps 1..4 of another (a keyframe, then deltas); new processes
+save step 2 of the first (the parent a keyframe) and step 5 of the other (the parent a
+delta: its chain's chunks are read too). Measured per save: stored bytes (the listing), the
 bytes read from the store (the ranged reads' lengths), the save's wall time and this
 process's CPU seconds (``time.process_time``: the codec threads included; the service
 runs in a process of its own). Output: a table and bench/out/read_bases-WIDTH-LIMIT.json."""

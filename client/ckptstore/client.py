@@ -546,11 +546,11 @@ def fetch_tensors(
     and decoded here (no progress bar), and with ``keep_base`` kept as the run's base of
     this process's next direct save (:func:`ckptstore.direct_load.load_direct`)."""
     if direct:
-        from ckptstore.direct_load import load_direct  # the codec: only when used
+        from ckptstore.direct import shared_writer  # the codec: only when used
+        from ckptstore.direct_load import load_direct
 
-        got = transport.retry(
-            lambda: load_direct(transport, run, step, prefix, keep_base=keep_base)
-        )
+        keep = shared_writer().loaded if keep_base else None
+        got = transport.retry(lambda: load_direct(transport, run, step, prefix, keep_base=keep))
         return as_tensors(got.specs, got.buffers, map_location), got.metadata, got.step
     query = f"?{urlencode({'prefix': prefix})}" if prefix else ""
     header, buffers, served = transport.retry(

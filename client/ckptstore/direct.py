@@ -18,12 +18,13 @@ shape and checksum. The parent's tensors of the save's names (and dtypes and sha
 neither holds are read from the store first where ``read_bases`` (the default,
 :data:`READ_BASES`): the direct load's ranged reads and decoder, each tensor checked against
 the plan's checksum and added to the run's base file as it comes (:meth:`DirectWriter.
-_read_bases`), but for a tensor whose chain would fetch more than :data:`READ_LIMIT` stored
-bytes per raw byte of it. Anything else is encoded self-contained (a keyframe, a parent that is
-corrupt or cannot be read, a DCP part of another world size: other names). Memory: the pipeline's budget,
-``2 * workers + 2`` chunks in flight (with the default 4 MiB chunks and 2 workers,
-24 MiB), plus the pieces queued for the socket; disk: one raw copy of what was last saved
-or loaded per run (the newest ``keep_runs`` runs).
+_read_bases`), but for a tensor whose chain would fetch more than :data:`READ_LIMIT`
+stored bytes per raw byte of it. Anything else is encoded self-contained (a keyframe, a
+parent that is corrupt or cannot be read, a DCP part of another world size: other names).
+Memory: the pipeline's budget, ``2 * workers + 2`` chunks in flight (with the default
+4 MiB chunks and 2 workers, 24 MiB), plus the pieces queued for the socket (and a read
+base's: one tensor and the decoder's read-ahead, as a direct load's); disk: one raw copy
+of what was last saved, loaded or read per run (the newest ``keep_runs`` runs).
 
 **Part PUTs straight to S3** (``_PartUploader``): each one is retried by itself, to the same
 presigned URL with the same bytes, when the store answers what S3 documents as retriable
@@ -279,16 +280,18 @@ class DirectWriter:
             raise
         return Sent(answer, key, BaseFile(raw_path, tuple(result[0].tensors)))
 
-    def _read_bases(self, transport: Transport, run: str, plan: Plan, specs: Sequence[Spec]) -> None:
+    def _read_bases(
+        self, transport: Transport, run: str, plan: Plan, specs: Sequence[Spec]
+    ) -> None:
         """The parent's tensors that the plan may diff against (:func:`_unheld`) fetched
         and decoded as a direct load would (``POST .../ranges`` of the parent's step,
         ranged reads, the core's decoder: each chunk and tensor checked against its
         checksum), each one whose checksum is the plan's added to the run's base as it
         comes (:class:`LoadedBase`: one tensor in memory at a time, plus the decoder's
         read-ahead). Not a tensor whose chain would fetch more than :data:`READ_LIMIT`
-        stored bytes per raw byte of it. A base is a saving, never a condition: a parent that cannot be read
-        (corrupt, gone, the store away) leaves the tensors it did not yield self-contained,
-        with a warning."""
+        stored bytes per raw byte of it. A base is a saving, never a condition: a parent
+        that cannot be read (corrupt, gone, the store away) leaves the tensors it did not
+        yield self-contained, with a warning."""
         key = (transport.url, run)
         with self._lock:
             base = self._bases.get(key)

@@ -21,10 +21,10 @@ import logging
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Collection, Generator, Iterator, Mapping
+from collections.abc import Callable, Collection, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -41,12 +41,25 @@ from ckptstore_core.errors import CorruptData, StorageUnavailable
 from ckptstore_core.pipeline.rows import ChunkInfo, TensorInfo
 from ckptstore_core.pipeline.sink import Buffer
 
-__all__ = ["Loaded", "each_direct", "each_parent", "load_direct"]
+__all__ = ["BaseSink", "KeepBase", "Loaded", "each_direct", "each_parent", "load_direct"]
 
 log = logging.getLogger("ckptstore")
 
 _AHEAD = 64 << 20  # decoded bytes queued ahead of the copy into the tensors' buffers
 _KEEP = 64 << 20  # decoded fp32 masters kept for their bf16/f16 copies
+
+
+class BaseSink(Protocol):
+    """Where a load's tensors go to become a run's base (:class:`ckptstore.direct.
+    LoadedBase`): each one as it is checked, then closed."""
+
+    def add(self, tensor: TensorInfo, data: Buffer) -> None: ...
+
+    def close(self) -> None: ...
+
+
+#: A base for the service's URL and a run (:meth:`ckptstore.direct.DirectWriter.loaded`).
+KeepBase = Callable[[str, str], BaseSink]
 
 
 @dataclass(frozen=True)
@@ -83,12 +96,12 @@ def load_direct(
     names: Collection[str] | None = None,
     workers: int | None = None,
     *,
-    keep_base: bool = False,
+    keep_base: KeepBase | None = None,
 ) -> Loaded:
     """The tensors of ``run/step`` under ``prefix`` (or the stored tensors ``names``, or
-    all), fetched and decoded here; one attempt (the caller retries). ``keep_base``: the
-    stored tensors decoded become this process's base of the run for its next direct save
-    (:meth:`ckptstore.direct.DirectWriter.loaded`)."""
+    all), fetched and decoded here; one attempt (the caller retries). ``keep_base``: where
+    the stored tensors decoded go to become this process's base of the run for its next
+    direct save (:meth:`ckptstore.direct.DirectWriter.loaded`)."""
     layout = _layout(transport, run, step, prefix, names)
     tensors, metadata = layout.tensors, layout.metadata
     buffers = [buf for _, buf in _checked(layout, workers, keep_base)]
@@ -107,7 +120,7 @@ def each_direct(
     names: Collection[str],
     workers: int | None = None,
     *,
-    keep_base: bool = False,
+    keep_base: KeepBase | None = None,
 ) -> Generator[tuple[TensorInfo, memoryview], None, None]:
     """The stored tensors ``names`` of ``run/step``, each with its bytes as soon as it is
     decoded and checked, in the service's order: the caller holds one tensor at a time
@@ -205,18 +218,19 @@ def _chunks(rows: list[list[Any]], keys: list[str]) -> list[ChunkInfo]:
 
 
 def _checked(
-    layout: _Layout, workers: int | None, keep_base: bool
+    layout: _Layout, workers: int | None, keep_base: KeepBase | None
 ) -> Iterator[tuple[TensorInfo, memoryview]]:
     """:func:`_decoded`, each tensor also added to the run's base where ``keep_base``."""
-    if not keep_base:
+    if keep_base is None:
         yield from _decoded(layout, workers)
         return
-    from ckptstore.direct import shared_writer
-
-    with shared_writer().loaded(*layout.base) as base:
+    base = keep_base(*layout.base)
+    try:
         for t, buf in _decoded(layout, workers):
             base.add(t, buf)
             yield t, buf
+    finally:
+        base.close()
 
 
 def _decoded(layout: _Layout, workers: int | None) -> Iterator[tuple[TensorInfo, memoryview]]:

@@ -185,8 +185,8 @@ def test_dcp_ranks_resumed_from_a_direct_load_save_deltas(
     """2 FSDP2 ranks save steps 1 and 2 direct; restarted ranks load step 2 with
     ``CkptStoreReader(direct=True)`` and save step 3 direct: each rank's part diffs against
     the pieces it loaded. The control (restarted ranks that load through the service, and
-    read no bases from the store) saves step 3 self-contained. Every step loads bit for bit, through ``load_full(direct=True)``
-    too."""
+    read no bases from the store) saves step 3 self-contained. Every step loads bit for
+    bit, through ``load_full(direct=True)`` too."""
     from ckptstore.dcp import load_full
     from support import dcp_ranks
 
@@ -306,9 +306,11 @@ def test_a_new_process_reads_its_base_from_the_stored_parent(
         client.save("own", 2, state(2))
     new_process()
     for run, read in (("read", True), ("cold", False)):
-        with CheckpointClient(service.url, direct=True, read_bases=read) as client:
-            with caplog.at_level("WARNING", logger="ckptstore"):
-                client.save(run, 2, state(2))
+        with (
+            CheckpointClient(service.url, direct=True, read_bases=read) as client,
+            caplog.at_level("WARNING", logger="ckptstore"),
+        ):
+            client.save(run, 2, state(2))
         new_process()
     assert "could not be read" not in caplog.text
     read, cold, own = (verified(service, run) for run in ("read", "cold", "own"))
