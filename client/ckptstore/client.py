@@ -101,6 +101,10 @@ class CheckpointClient:
     S3 through presigned URLs, else through the service unchanged) and decode them here, so
     no replica decodes, and keep them as the base of the run's next direct save
     (docs/scale.md). ``None`` (the default) and ``False``: the service encodes and decodes.
+    ``read_bases`` (``direct=True`` only): a direct save whose parent holds tensors this
+    process neither saved nor loaded reads them from the store first and diffs against
+    them (``True``), or encodes them self-contained (``False``); ``None``: the process's
+    writer's default (:data:`ckptstore.direct.READ_BASES`).
 
     ``transport``: a :class:`~ckptstore.Transport` to send through instead of one the
     client makes from ``url``, ``token``, ``timeout``, ``retries`` and ``backoff`` (passing
@@ -120,6 +124,7 @@ class CheckpointClient:
         progress: bool = False,
         token: str | None = None,
         direct: bool | None = None,
+        read_bases: bool | None = None,
         transport: Transport | None = None,
     ) -> None:
         if transport is None:
@@ -136,6 +141,7 @@ class CheckpointClient:
         self._saver: AsyncSaver | None = None  # made by the first save_async (imports torch)
         self._saver_lock = threading.Lock()
         self.direct = bool(direct)
+        self.read_bases = read_bases
 
     def close(self) -> None:
         """Wait for the :meth:`save_async` upload in flight, then free the staging buffers
@@ -486,7 +492,9 @@ class CheckpointClient:
             # a part name of its own per attempt: a replica that died mid-part holds the
             # last one's lock until its lease runs out (the sweep collects that part)
             part = f"direct-{uuid.uuid4().hex[:12]}"
-            return part, writer.save_part(self.transport, path, run, part, specs, data)
+            return part, writer.save_part(
+                self.transport, path, run, part, specs, data, read_bases=self.read_bases
+            )
 
         part, sent = self.transport.retry(attempt)
         if sent.answer.get("committed"):  # the same tensors are committed at that step
@@ -538,11 +546,11 @@ def fetch_tensors(
     and decoded here (no progress bar), and with ``keep_base`` kept as the run's base of
     this process's next direct save (:func:`ckptstore.direct_load.load_direct`)."""
     if direct:
-        from ckptstore.direct_load import load_direct  # the codec: only when used
+        from ckptstore.direct import shared_writer  # the codec: only when used
+        from ckptstore.direct_load import load_direct
 
-        got = transport.retry(
-            lambda: load_direct(transport, run, step, prefix, keep_base=keep_base)
-        )
+        keep = shared_writer().loaded if keep_base else None
+        got = transport.retry(lambda: load_direct(transport, run, step, prefix, keep_base=keep))
         return as_tensors(got.specs, got.buffers, map_location), got.metadata, got.step
     query = f"?{urlencode({'prefix': prefix})}" if prefix else ""
     header, buffers, served = transport.retry(

@@ -14,11 +14,17 @@ parent's: the raw data of the last part it saved of the run (:class:`BaseFile`, 
 the pipeline as it encodes, on local disk, not in memory), with the tensors a direct load
 of the run decoded since (:class:`LoadedBase`: a restarted job's first save is a delta of
 what it loaded), tensor by tensor where the plan's parent tensor has the same name, dtype,
-shape and checksum. Anything else is encoded self-contained (the first save of a process
-that loaded nothing, a parent another writer saved). Memory: the pipeline's budget,
-``2 * workers + 2`` chunks in flight (with the default 4 MiB chunks and 2 workers,
-24 MiB), plus the pieces queued for the socket; disk: one raw copy of what was last saved
-or loaded per run (the newest ``keep_runs`` runs).
+shape and checksum. The parent's tensors of the save's names (and dtypes and shapes) that
+neither holds are read from the store first where ``read_bases`` (the default,
+:data:`READ_BASES`): the direct load's ranged reads and decoder, each tensor checked against
+the plan's checksum and added to the run's base file as it comes (:meth:`DirectWriter.
+_read_bases`), but for a tensor whose chain would fetch more than :data:`READ_LIMIT`
+stored bytes per raw byte of it. Anything else is encoded self-contained (a keyframe, a
+parent that is corrupt or cannot be read, a DCP part of another world size: other names).
+Memory: the pipeline's budget, ``2 * workers + 2`` chunks in flight (with the default
+4 MiB chunks and 2 workers, 24 MiB), plus the pieces queued for the socket (and a read
+base's: one tensor and the decoder's read-ahead, as a direct load's); disk: one raw copy
+of what was last saved, loaded or read per run (the newest ``keep_runs`` runs).
 
 **Part PUTs straight to S3** (``_PartUploader``): each one is retried by itself, to the same
 presigned URL with the same bytes, when the store answers what S3 documents as retriable
@@ -69,7 +75,7 @@ from ckptstore_core.encoded import (
     frame,
     tail_doc,
 )
-from ckptstore_core.errors import StorageUnavailable
+from ckptstore_core.errors import CkptStoreError, StorageUnavailable
 from ckptstore_core.pipeline import (
     BaseChunk,
     Budget,
@@ -86,6 +92,8 @@ __all__ = [
     "PUT_ATTEMPTS",
     "PUT_BACKOFF_MAX_S",
     "PUT_BACKOFF_S",
+    "READ_BASES",
+    "READ_LIMIT",
     "BaseFile",
     "DirectWriter",
     "LoadedBase",
@@ -107,6 +115,12 @@ PUT_ATTEMPTS = 5
 PUT_BACKOFF_S = 0.5
 #: The longest wait before a retry of a part PUT.
 PUT_BACKOFF_MAX_S = 8.0
+#: Whether a direct save reads the parent's tensors it holds no base for from the store
+#: (docs/scale.md, "Bases read from the store": measured there).
+READ_BASES = True
+#: The most stored bytes a direct save reads as the base of a tensor, per raw byte of it
+#: (the tensor's chain: its keyframe and the deltas since; docs/scale.md).
+READ_LIMIT = 1.5
 #: The store's answers to a part PUT that are retried (S3's retriable errors).
 _RETRIED_STATUS = frozenset({500, 502, 503, 504})
 logger = logging.getLogger("ckptstore")
@@ -137,7 +151,10 @@ class DirectWriter:
     Its base files are keyed by service and run, so one writer serves every client of a
     process (:func:`shared_writer`): a DCP save makes a storage writer per checkpoint.
     ``put_attempts`` and ``put_backoff`` bound the retries of each part PUT straight to the
-    store (the module's docstring)."""
+    store (the module's docstring). ``read_bases`` (settable; a save may override it): a
+    save reads the parent's tensors this writer holds no base for from the store first
+    (:meth:`_read_bases`); ``shared_writer().read_bases = False`` turns that off for the
+    process's DCP and ``parts`` saves."""
 
     def __init__(
         self,
@@ -146,6 +163,7 @@ class DirectWriter:
         *,
         put_attempts: int = PUT_ATTEMPTS,
         put_backoff: float = PUT_BACKOFF_S,
+        read_bases: bool = READ_BASES,
     ) -> None:
         if put_attempts < 1:
             raise ValueError("put_attempts must be at least 1")
@@ -156,6 +174,7 @@ class DirectWriter:
         self._bases: OrderedDict[tuple[str, str], BaseFile] = OrderedDict()
         self._keep = keep_runs
         self._lock = threading.Lock()
+        self.read_bases = read_bases
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -169,15 +188,21 @@ class DirectWriter:
         part: str,
         specs: Sequence[Spec],
         data: Callable[[], Iterator[TensorPiece]],
+        *,
+        read_bases: bool | None = None,
     ) -> Sent:
         r"""Plan, encode and send part ``part`` of the checkpoint at ``path`` (its URL path)
         of ``run``: the tensors ``specs``, whose bytes ``data`` yields in that order. One
         attempt (the caller retries the whole part). The new raw file becomes the run's base
-        once the caller :meth:`keep`\ s it, else :meth:`discard` it."""
+        once the caller :meth:`keep`\ s it, else :meth:`discard` it. ``read_bases`` (None:
+        the writer's :attr:`read_bases`): the parent's tensors this writer holds no base for
+        are read from the store first (:meth:`_read_bases`)."""
         names = {"names": [s[0] for s in specs]}
         plan = Plan.from_json(transport.call("POST", path + "/plan", names, retried=False))
         prefix, header = encode_header(list(specs), {})
         key = (transport.url, run)
+        if self.read_bases if read_bases is None else read_bases:
+            self._read_bases(transport, run, plan, specs)
         with self._lock:
             base = self._bases.get(key)  # one snapshot for the plan and the bytes
         planner, sums = _planner(base, plan, header)
@@ -254,6 +279,42 @@ class DirectWriter:
             os.unlink(raw_path)
             raise
         return Sent(answer, key, BaseFile(raw_path, tuple(result[0].tensors)))
+
+    def _read_bases(
+        self, transport: Transport, run: str, plan: Plan, specs: Sequence[Spec]
+    ) -> None:
+        """The parent's tensors that the plan may diff against (:func:`_unheld`) fetched
+        and decoded as a direct load would (``POST .../ranges`` of the parent's step,
+        ranged reads, the core's decoder: each chunk and tensor checked against its
+        checksum), each one whose checksum is the plan's added to the run's base as it
+        comes (:class:`LoadedBase`: one tensor in memory at a time, plus the decoder's
+        read-ahead). Not a tensor whose chain would fetch more than :data:`READ_LIMIT`
+        stored bytes per raw byte of it. A base is a saving, never a condition: a parent
+        that cannot be read (corrupt, gone, the store away) leaves the tensors it did not
+        yield self-contained, with a warning."""
+        key = (transport.url, run)
+        with self._lock:
+            base = self._bases.get(key)
+        wanted = _unheld(base, plan, specs)
+        if not wanted:
+            return
+        from ckptstore.direct_load import each_parent  # the decoder's imports: when used
+
+        assert plan.parent_step is not None and plan.parent_id is not None
+        sums = {t.name: t.checksum for t in wanted}
+        try:
+            with self.loaded(*key) as into:
+                for t, buf in each_parent(
+                    transport, run, plan.parent_step, plan.parent_id, sums, self._workers,
+                    READ_LIMIT,
+                ):  # fmt: skip
+                    into.add(t, buf)
+        except (CkptStoreError, OSError, ValueError) as exc:
+            log.warning(
+                "the parent (step %s) of run %r could not be read as a base: its tensors "
+                "left are encoded self-contained (%s)",
+                plan.parent_step, run, exc,
+            )  # fmt: skip
 
     def keep(self, sent: Sent) -> None:
         """``sent``'s raw bytes are its run's base from now on. Safe before its commit too:
@@ -373,6 +434,26 @@ def _write_all(fd: int, data: memoryview, at: int) -> None:
     while len(data):
         n = os.pwrite(fd, data, at)
         data, at = data[n:], at + n
+
+
+def _unheld(base: BaseFile | None, plan: Plan, specs: Sequence[Spec]) -> list[TensorInfo]:
+    """The plan's parent tensors worth reading from the store as a base: one of ``specs``
+    (same name, dtype and shape), not empty, that ``base`` does not hold already (same
+    checksum), with a chunk a delta may rest on (its chain shorter than the plan's depth
+    limit); none where the save is a keyframe or the run's first."""
+    if plan.keyframe or plan.parent_step is None:
+        return []
+    held = set() if base is None else {(t.name, t.dtype, t.shape, t.checksum) for t in base.tensors}
+    sent = {(n, d, tuple(s)) for n, d, s in specs}
+    shallow = {c.tensor_idx for c in plan.chunks if c.depth < plan.max_chain_depth}
+    return [
+        t
+        for t in plan.tensors
+        if (t.name, t.dtype, t.shape) in sent
+        and t.nbytes
+        and (t.name, t.dtype, t.shape, t.checksum) not in held
+        and t.idx in shallow
+    ]
 
 
 def _planner(

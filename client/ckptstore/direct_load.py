@@ -17,13 +17,14 @@ service and by writers) decode alike: the rows say how each link is stored.
 
 from __future__ import annotations
 
+import logging
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Collection, Generator, Iterator
+from collections.abc import Callable, Collection, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -40,10 +41,25 @@ from ckptstore_core.errors import CorruptData, StorageUnavailable
 from ckptstore_core.pipeline.rows import ChunkInfo, TensorInfo
 from ckptstore_core.pipeline.sink import Buffer
 
-__all__ = ["Loaded", "each_direct", "load_direct"]
+__all__ = ["BaseSink", "KeepBase", "Loaded", "each_direct", "each_parent", "load_direct"]
+
+log = logging.getLogger("ckptstore")
 
 _AHEAD = 64 << 20  # decoded bytes queued ahead of the copy into the tensors' buffers
 _KEEP = 64 << 20  # decoded fp32 masters kept for their bf16/f16 copies
+
+
+class BaseSink(Protocol):
+    """Where a load's tensors go to become a run's base (:class:`ckptstore.direct.
+    LoadedBase`): each one as it is checked, then closed."""
+
+    def add(self, tensor: TensorInfo, data: Buffer) -> None: ...
+
+    def close(self) -> None: ...
+
+
+#: A base for the service's URL and a run (:meth:`ckptstore.direct.DirectWriter.loaded`).
+KeepBase = Callable[[str, str], BaseSink]
 
 
 @dataclass(frozen=True)
@@ -80,12 +96,12 @@ def load_direct(
     names: Collection[str] | None = None,
     workers: int | None = None,
     *,
-    keep_base: bool = False,
+    keep_base: KeepBase | None = None,
 ) -> Loaded:
     """The tensors of ``run/step`` under ``prefix`` (or the stored tensors ``names``, or
-    all), fetched and decoded here; one attempt (the caller retries). ``keep_base``: the
-    stored tensors decoded become this process's base of the run for its next direct save
-    (:meth:`ckptstore.direct.DirectWriter.loaded`)."""
+    all), fetched and decoded here; one attempt (the caller retries). ``keep_base``: where
+    the stored tensors decoded go to become this process's base of the run for its next
+    direct save (:meth:`ckptstore.direct.DirectWriter.loaded`)."""
     layout = _layout(transport, run, step, prefix, names)
     tensors, metadata = layout.tensors, layout.metadata
     buffers = [buf for _, buf in _checked(layout, workers, keep_base)]
@@ -104,12 +120,63 @@ def each_direct(
     names: Collection[str],
     workers: int | None = None,
     *,
-    keep_base: bool = False,
+    keep_base: KeepBase | None = None,
 ) -> Generator[tuple[TensorInfo, memoryview], None, None]:
     """The stored tensors ``names`` of ``run/step``, each with its bytes as soon as it is
     decoded and checked, in the service's order: the caller holds one tensor at a time
     (plus the decoder's read-ahead), not all of them. ``keep_base``: as :func:`load_direct`."""
     yield from _checked(_layout(transport, run, step, None, names), workers, keep_base)
+
+
+def each_parent(
+    transport: Transport,
+    run: str,
+    step: int,
+    checkpoint_id: int,
+    sums: Mapping[str, bytes],
+    workers: int | None = None,
+    read_limit: float = float("inf"),
+) -> Iterator[tuple[TensorInfo, memoryview]]:
+    """The stored tensors of ``run/step`` named in ``sums`` whose checksum is the one
+    ``sums`` gives (a direct save's plan's parent: :meth:`ckptstore.direct.DirectWriter.
+    save_part`), each decoded and checked as :func:`each_direct`'s; none where the step is
+    no longer checkpoint ``checkpoint_id`` (deleted and saved again since the plan); not
+    the tensors whose chains' stored bytes (what their reads fetch) pass ``read_limit``
+    times their raw bytes (deep in a chain of deltas that saved little)."""
+    layout = _layout(transport, run, step, None, list(sums))
+    if layout.checkpoint_id != checkpoint_id:
+        return
+    tensors = [t for t in layout.tensors if sums.get(t.name) == t.checksum]
+    if len(tensors) < len(layout.tensors):
+        log.warning(
+            "%d tensors of %s step %s differ from the plan's checksums: not read as bases",
+            len(layout.tensors) - len(tensors), run, step,
+        )  # fmt: skip
+    costs = _chain_bytes(layout)
+    cheap = [t for t in tensors if costs.get(t.idx, 0) <= read_limit * t.nbytes]
+    if len(cheap) < len(tensors):
+        log.info(
+            "%s step %s: %d tensors' chains hold more than %s stored bytes per raw byte: "
+            "not read as bases",
+            run, step, len(tensors) - len(cheap), read_limit,
+        )  # fmt: skip
+    tensors = cheap
+    yield from _decoded(replace(layout, tensors=tensors), workers)
+
+
+def _chain_bytes(layout: _Layout) -> dict[int, int]:
+    """The stored bytes a read of each tensor of ``layout`` fetches: its own chunks and the
+    chunks their chains reach (each counted once per tensor)."""
+    reached: dict[int, set[int]] = {}
+    for c in layout.closure.values():
+        if c.checkpoint_id != layout.checkpoint_id:
+            continue
+        seen = reached.setdefault(c.tensor_idx, set())
+        link: ChunkInfo | None = c
+        while link is not None and link.id not in seen:
+            seen.add(link.id)
+            link = None if link.base_id is None else layout.closure.get(link.base_id)
+    return {i: sum(layout.closure[c].stored_len for c in ids) for i, ids in reached.items()}
 
 
 def _layout(
@@ -151,18 +218,19 @@ def _chunks(rows: list[list[Any]], keys: list[str]) -> list[ChunkInfo]:
 
 
 def _checked(
-    layout: _Layout, workers: int | None, keep_base: bool
+    layout: _Layout, workers: int | None, keep_base: KeepBase | None
 ) -> Iterator[tuple[TensorInfo, memoryview]]:
     """:func:`_decoded`, each tensor also added to the run's base where ``keep_base``."""
-    if not keep_base:
+    if keep_base is None:
         yield from _decoded(layout, workers)
         return
-    from ckptstore.direct import shared_writer
-
-    with shared_writer().loaded(*layout.base) as base:
+    base = keep_base(*layout.base)
+    try:
         for t, buf in _decoded(layout, workers):
             base.add(t, buf)
             yield t, buf
+    finally:
+        base.close()
 
 
 def _decoded(layout: _Layout, workers: int | None) -> Iterator[tuple[TensorInfo, memoryview]]:

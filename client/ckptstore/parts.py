@@ -250,11 +250,13 @@ def select(
         if not left:
             return
         if direct:
-            from ckptstore.direct_load import each_direct  # the codec: only when used
+            from ckptstore.direct import shared_writer  # the codec: only when used
+            from ckptstore.direct_load import each_direct
 
             # one tensor held at a time: each consumed as soon as it is decoded; closed at
             # once if ``consume`` raises (the decoder's queue cancelled, the base kept)
-            with closing(each_direct(transport, run, step, list(left), keep_base=True)) as got:
+            keep = shared_writer().loaded
+            with closing(each_direct(transport, run, step, list(left), keep_base=keep)) as got:
                 for t, buf in got:
                     consume(TensorSpec(t.name, t.dtype, t.shape, 0, t.nbytes), buf)
                     del left[t.name]

@@ -7,6 +7,7 @@ starts with none."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,7 @@ def test_a_resumed_job_diffs_its_first_direct_save_against_what_it_loaded(
             client.save(run, 1, state(1))
             client.save(run, 2, state(2))
     new_process()
-    with CheckpointClient(service.url, direct=True) as client:
+    with CheckpointClient(service.url, direct=True, read_bases=False) as client:
         assert_same_state(state(2), client.load("resumed", 2), path="loaded")
         client.save("resumed", 3, state(3))
         client.save("cold", 3, state(3))
@@ -103,24 +104,33 @@ def test_a_job_that_loads_an_older_step_saves_exactly(
     make_service: Callable[..., Service], new_process: Callable[[], None]
 ) -> None:
     """A new process loads step 1 (not the latest) and saves step 3, whose parent is step
-    2: only what step 2 holds unchanged (the frozen embedding) is diffed against the loaded
-    bytes, the rest is self-contained; every step loads bit for bit."""
+    2: without ``read_bases`` only what step 2 holds unchanged (the frozen embedding) is
+    diffed against the loaded bytes, the rest is self-contained; with it (run
+    ``older-read``), the rest is read from step 2 in the store and diffed too. Every step
+    loads bit for bit."""
     service = make_service(FAST_VERIFIER)
     with CheckpointClient(service.url, direct=True) as client:
-        client.save("older", 1, state(1))
-        client.save("older", 2, state(2))
+        for run in ("older", "older-read"):
+            client.save(run, 1, state(1))
+            client.save(run, 2, state(2))
+    for run, read in (("older", False), ("older-read", True)):
+        new_process()
+        with CheckpointClient(service.url, direct=True, read_bases=read) as client:
+            assert_same_state(state(1), client.load(run, 1), path="loaded")
+            client.save(run, 3, state(3))
     new_process()
-    with CheckpointClient(service.url, direct=True) as client:
-        assert_same_state(state(1), client.load("older", 1), path="loaded")
-        client.save("older", 3, state(3))
-    new_process()
-    listed = verdicts(service.url, "older")
+    listed, read = verdicts(service.url, "older"), verdicts(service.url, "older-read")
     assert listed[3]["parent_step"] == 2
     frozen_bytes = _frozen().numel() * 4
     # the frozen embedding became references to step 2's chunks; nothing else was diffed
     assert listed[3]["stored_bytes"] < listed[1]["stored_bytes"] - frozen_bytes / 4
-    assert {s: c["verification"] for s, c in listed.items()} == dict.fromkeys((1, 2, 3), "verified")
-    assert_loads_exactly(service, "older", {s: state(s) for s in (1, 2, 3)})
+    assert listed[3]["stored_bytes"] > 1.5 * listed[2]["stored_bytes"]
+    assert read[3]["stored_bytes"] < 1.2 * read[2]["stored_bytes"]
+    for run, got in (("older", listed), ("older-read", read)):
+        assert {s: c["verification"] for s, c in got.items()} == dict.fromkeys(
+            (1, 2, 3), "verified"
+        )
+        assert_loads_exactly(service, run, {s: state(s) for s in (1, 2, 3)})
 
 
 def test_a_prefix_load_keeps_the_rest_of_the_base(
@@ -154,9 +164,9 @@ def test_dcp_ranks_resumed_from_a_direct_load_save_deltas(
 ) -> None:
     """2 FSDP2 ranks save steps 1 and 2 direct; restarted ranks load step 2 with
     ``CkptStoreReader(direct=True)`` and save step 3 direct: each rank's part diffs against
-    the pieces it loaded. The control (restarted ranks that load through the service) saves
-    step 3 self-contained. Every step loads bit for bit, through ``load_full(direct=True)``
-    too."""
+    the pieces it loaded. The control (restarted ranks that load through the service, and
+    read no bases from the store) saves step 3 self-contained. Every step loads bit for
+    bit, through ``load_full(direct=True)`` too."""
     from ckptstore.dcp import load_full
     from support import dcp_ranks
 
@@ -166,8 +176,9 @@ def test_dcp_ranks_resumed_from_a_direct_load_save_deltas(
         out.mkdir()
         dcp_ranks.launch(dcp_ranks.save_run, 2, service.url, run, str(out), [1, 2], 2, True)
         dcp_ranks.launch(
-            dcp_ranks.resumed_save, 2, service.url, run, str(out), 3, (load_direct, True)
-        )
+            dcp_ranks.resumed_save, 2, service.url, run, str(out), 3, (load_direct, True),
+            load_direct,
+        )  # fmt: skip
     resumed, cold = verdicts(service.url, "dcp-resumed"), verdicts(service.url, "dcp-cold")
     assert resumed[3]["parent_step"] == 2
     assert resumed[3]["stored_bytes"] < 0.8 * cold[3]["stored_bytes"]
@@ -256,3 +267,112 @@ def test_a_base_file_changed_on_disk_is_no_base_for_the_chunk_it_spoils(
     assert {s: c["verification"] for s, c in listed.items()} == dict.fromkeys((1, 2, 3), "verified")
     assert listed[3]["stored_bytes"] < listed[1]["stored_bytes"]
     assert_loads_exactly(service, "tampered", {s: state(s) for s in (1, 2, 3)})
+
+
+def test_a_new_process_reads_its_base_from_the_stored_parent(
+    make_service: Callable[..., Service],
+    new_process: Callable[[], None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A process that neither saved nor loaded run ``read`` saves its step 2: with
+    ``read_bases`` it reads step 1's tensors from the store (ranges + the core's decoder,
+    each checked) and stores step 2 as a delta, as small as the saving process's own delta
+    (run ``own``); without, step 2 is self-contained (run ``cold``). Every step loads bit
+    for bit and is verified."""
+    service = make_service(FAST_VERIFIER)
+    with CheckpointClient(service.url, direct=True) as client:
+        for run in ("read", "cold", "own"):
+            client.save(run, 1, state(1))
+        client.save("own", 2, state(2))
+    new_process()
+    for run, read in (("read", True), ("cold", False)):
+        with (
+            CheckpointClient(service.url, direct=True, read_bases=read) as client,
+            caplog.at_level("WARNING", logger="ckptstore"),
+        ):
+            client.save(run, 2, state(2))
+        new_process()
+    assert "could not be read" not in caplog.text
+    read, cold, own = (verdicts(service.url, run) for run in ("read", "cold", "own"))
+    keyframe = read[1]["stored_bytes"]
+    assert read[2]["parent_step"] == 1
+    assert read[2]["stored_bytes"] < keyframe / 2
+    assert read[2]["stored_bytes"] < 1.2 * own[2]["stored_bytes"]
+    assert cold[2]["stored_bytes"] > 0.9 * keyframe
+    assert {s: c["verification"] for s, c in read.items()} == {1: "verified", 2: "verified"}
+    assert_loads_exactly(service, "read", {s: state(s) for s in (1, 2)})
+
+
+def test_a_corrupt_stored_parent_is_no_base(
+    make_service: Callable[..., Service],
+    new_process: Callable[[], None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Step 1's blob has a byte flipped every 16 KiB in the store (every chunk): reading
+    it as a base fails its checksum, so a new process's step 2 is encoded self-contained
+    (a warning says so) and loads bit for bit; with the bytes put back, step 1 loads
+    exactly too."""
+    service = make_service(FAST_VERIFIER)
+    with CheckpointClient(service.url, direct=True) as client:
+        client.save("rotten", 1, state(1))
+    verdicts(service.url, "rotten")
+    (blob,) = service.data_dir.rglob("*.blob")
+    clean = blob.read_bytes()
+    rotten = bytearray(clean)
+    for at in range(4096, len(rotten), 16 << 10):
+        rotten[at] ^= 0x10
+    blob.write_bytes(rotten)
+    new_process()
+    with (
+        CheckpointClient(service.url, direct=True, read_bases=True) as client,
+        caplog.at_level("WARNING", logger="ckptstore"),
+    ):
+        client.save("rotten", 2, state(2))
+    assert "could not be read as a base" in caplog.text
+    blob.write_bytes(clean)
+    new_process()
+    listed = verdicts(service.url, "rotten")
+    assert listed[2]["verification"] == "verified"
+    assert listed[2]["stored_bytes"] > 0.9 * listed[1]["stored_bytes"]
+    assert_loads_exactly(service, "rotten", {s: state(s) for s in (1, 2)})
+
+
+def test_a_stored_parent_whose_checksum_is_not_the_plans_is_not_read(
+    make_service: Callable[..., Service],
+    new_process: Callable[[], None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The plan names a checksum for the parent's ``master/w`` that the stored tensor does
+    not have (a plan and a store that disagree): that tensor is not read as a base (a
+    warning says so) and is encoded self-contained; the others are read and diffed; the
+    save loads bit for bit."""
+    from ckptstore_core.encoded import Plan
+
+    service = make_service(FAST_VERIFIER)
+    with CheckpointClient(service.url, direct=True) as client:
+        client.save("disagree", 1, state(1))
+    new_process()
+    planned = Plan.from_json
+
+    def wrong_master(doc: dict[str, Any]) -> Plan:
+        plan = planned(doc)
+        tensors = tuple(
+            replace(t, checksum=bytes(16)) if t.name == "master/w" else t for t in plan.tensors
+        )
+        return replace(plan, tensors=tensors)
+
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        CheckpointClient(service.url, direct=True, read_bases=True) as client,
+        caplog.at_level("WARNING", logger="ckptstore"),
+    ):
+        patch.setattr(ckptstore.direct.Plan, "from_json", staticmethod(wrong_master))
+        client.save("disagree", 2, state(2))
+    assert "differ from the plan's checksums" in caplog.text
+    listed = verdicts(service.url, "disagree")
+    assert listed[2]["verification"] == "verified"
+    master = state(2)["master"]["w"].numel() * 4
+    # master/w was encoded self-contained, the bf16 copy and the embedding diffed
+    assert listed[2]["stored_bytes"] > master / 2
+    assert listed[2]["stored_bytes"] < listed[1]["stored_bytes"] - master / 4
+    assert_loads_exactly(service, "disagree", {s: state(s) for s in (1, 2)})

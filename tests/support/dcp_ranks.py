@@ -481,12 +481,18 @@ def resumed_save(
     out: str,
     step: int,
     direct: tuple[bool, bool] = (False, False),
+    read_bases: bool = True,
 ) -> None:
     """A restarted job: load ``latest`` (noting its step in resumed-from.json), train step
     ``step``, save it; rank 0 keeps the full state saved (full-{step}.pt). ``direct``:
     whether the load and the save are direct (a direct save's writer cuts :data:`GRID`
-    cells, as :func:`save_run`'s)."""
+    cells, as :func:`save_run`'s); ``read_bases``: the process's writer's setting (a
+    direct save reads the parent's tensors it holds no base for from the store)."""
     init(rank, world, port)
+    if direct[1]:
+        from ckptstore.direct import shared_writer
+
+        shared_writer().read_bases = read_bases
     model, opt = build(seed=1234)  # other values than the saved ones
     state = sharded(model, opt)
     reader = CkptStoreReader(url, run, direct=direct[0])

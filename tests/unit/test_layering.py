@@ -65,8 +65,8 @@ def test_the_service_image_copies_every_package_of_the_wheel() -> None:
 #: lower rows, and no private (``_x``) name of another module (docs/client.md#transport).
 CLIENT_LAYERS = [
     {"transport", "state"},
-    {"staging", "files", "tokens", "dcp_metadata", "direct"},
-    {"direct_load"},  # a direct load's tensors become the writer's base
+    {"staging", "files", "tokens", "dcp_metadata", "direct_load"},
+    {"direct"},  # a direct save reads its parent's tensors as a direct load does
     {"parts"},
     {"client"},
     {"dcp"},
