@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointClient, CkptStoreError, CorruptData
+from ckptstore_service.names import parse_blob_key
 from support.serviceproc import Service
 
 ENV = {"CKPTSTORE_CHUNK_BYTES": str(64 << 10)}  # several chunks per tensor
@@ -53,7 +54,8 @@ def test_a_flipped_byte_in_a_blob_is_refused(
     make_service: Callable[..., Service], saved: tuple[Path, list[dict[str, Any]]]
 ) -> None:
     data_dir, states = saved
-    (blob,) = (p for p in (data_dir / "blobs").rglob("1-*.blob"))  # the middle of the chain
+    blobs = (data_dir / "blobs").rglob("*.blob")
+    (blob,) = (p for p in blobs if step_of(p) == 1)  # the middle of the chain
     _flip(blob, blob.stat().st_size // 2)
     svc = make_service(ENV, data_dir)  # a fresh process: no base cache
     with _client(svc) as client:
@@ -141,3 +143,10 @@ def test_corruption_found_mid_stream_is_corrupt_data(
     assert not [r for r in caplog.records if "retrying" in r.getMessage()]
     log = svc.log.read_text()
     assert "does not match" in log or "checksum" in log, log[-2000:]
+
+
+def step_of(blob: Path) -> int:
+    """The step whose save wrote ``blob`` (its key's)."""
+    key = parse_blob_key(f"runs/{blob.parent.name}/{blob.name}")
+    assert key is not None, blob
+    return key.step
