@@ -78,19 +78,25 @@ def warm_up(client: CheckpointClient, run: str) -> None:
     client.save(run + "-warm", 2, {"w": w + 1})
 
 
-def measure(
-    run: str, ckpts: list[tuple[int, Any]], workdir: Path, direct: bool, backend: dict[str, str]
-) -> dict[str, Any]:
-    data_dir = workdir / f"{run}-{'direct' if direct else 'service'}"
-    run = data_dir.name  # a run of its own: the production backends' catalog is shared
-    depth = str(max(16, len(ckpts) + 1))
-    env = {
+def bench_env(backend: dict[str, str], checkpoints: int) -> dict[str, str]:
+    """The service's settings for a measured run: one chain (no keyframe, no re-root) and
+    no verifier pass while the clocks run."""
+    depth = str(max(16, checkpoints + 1))
+    return {
         **backend,
         "CKPTSTORE_KEYFRAME_INTERVAL": depth,
         "CKPTSTORE_MAX_CHAIN_DEPTH": depth,
         "CKPTSTORE_VERIFY_INTERVAL_S": "3600",
         "CKPTSTORE_REROOT_QUIET_S": "3600",
     }
+
+
+def measure(
+    run: str, ckpts: list[tuple[int, Any]], workdir: Path, direct: bool, backend: dict[str, str]
+) -> dict[str, Any]:
+    data_dir = workdir / f"{run}-{'direct' if direct else 'service'}"
+    run = data_dir.name  # a run of its own: the production backends' catalog is shared
+    env = bench_env(backend, len(ckpts))
     raw = sum(raw_bytes(s) for _, s in ckpts)
     svc = Service(data_dir, env).start()
     try:
@@ -173,14 +179,7 @@ def measure_ranks(
     service's CPU per GB of each."""
     data_dir = workdir / f"{run}-{'direct' if direct else 'service'}-{ranks}ranks"
     run = data_dir.name
-    depth = str(max(16, len(ckpts) + 1))
-    env = {
-        **backend,
-        "CKPTSTORE_KEYFRAME_INTERVAL": depth,
-        "CKPTSTORE_MAX_CHAIN_DEPTH": depth,
-        "CKPTSTORE_VERIFY_INTERVAL_S": "3600",
-        "CKPTSTORE_REROOT_QUIET_S": "3600",
-    }
+    env = bench_env(backend, len(ckpts))
     raw = sum(raw_bytes(s) for _, s in ckpts)
     names = list(ckpts[0][1])
     ctx = multiprocessing.get_context("fork")  # the ranks share the parent's states
