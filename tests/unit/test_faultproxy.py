@@ -7,6 +7,7 @@ refuses and the next N requests that match an armed answer, and lists the reques
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import socket
 import threading
@@ -152,30 +153,43 @@ class _Ok(BaseHTTPRequestHandler):
         pass
 
 
-def test_slowdown_answers_the_next_n_requests_then_forwards() -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Ok)
+@contextlib.contextmanager
+def _upstream(got: list[bytes]) -> Iterator[int]:
+    """An HTTP server on a free port (yielded) that echoes each PUT's body and records its
+    path in ``got``."""
+
+    class Recording(_Ok):
+        def do_PUT(self) -> None:
+            got.append(self.path.encode())
+            super().do_PUT()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recording)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        with FaultProxy("127.0.0.1", server.server_address[1], http=True) as proxy:
-            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
-            conn.request("PUT", "/b/k", body=b"before")  # forwarded, kept alive
-            assert conn.getresponse().read() == b"before"
-            proxy.slowdown(2)
-            for _ in range(2):
-                conn.request("PUT", "/b/k", body=b"throttled")
-                response = conn.getresponse()
-                assert response.status == 503
-                assert response.getheader("Connection") == "close"
-                assert response.read() == SLOWDOWN_BODY
-                assert b"<Code>SlowDown</Code>" in SLOWDOWN_BODY
-                conn.close()
-            conn.request("PUT", "/b/k", body=b"after")
-            assert conn.getresponse().read() == b"after"
-            conn.close()
-            assert (proxy.slowdowns_sent, proxy.requests) == (2, 4)
+        yield server.server_address[1]
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_slowdown_answers_the_next_n_requests_then_forwards() -> None:
+    with _upstream([]) as port, FaultProxy("127.0.0.1", port, http=True) as proxy:
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+        conn.request("PUT", "/b/k", body=b"before")  # forwarded, kept alive
+        assert conn.getresponse().read() == b"before"
+        proxy.slowdown(2)
+        for _ in range(2):
+            conn.request("PUT", "/b/k", body=b"throttled")
+            response = conn.getresponse()
+            assert response.status == 503
+            assert response.getheader("Connection") == "close"
+            assert response.read() == SLOWDOWN_BODY
+            assert b"<Code>SlowDown</Code>" in SLOWDOWN_BODY
+            conn.close()
+        conn.request("PUT", "/b/k", body=b"after")
+        assert conn.getresponse().read() == b"after"
+        conn.close()
+        assert (proxy.slowdowns_sent, proxy.requests) == (2, 4)
 
 
 def test_check_answers_the_requests_it_refuses_and_forwards_the_others() -> None:
@@ -184,19 +198,12 @@ def test_check_answers_the_requests_it_refuses_and_forwards_the_others() -> None
     got: list[bytes] = []
     heads: list[bytes] = []
 
-    class Recording(_Ok):
-        def do_PUT(self) -> None:
-            got.append(self.path.encode())
-            super().do_PUT()
-
     def check(head: bytes) -> tuple[str, bytes] | None:
         heads.append(head)
         return ("403 Forbidden", b"<Error>no</Error>") if b"/refused" in head else None
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Recording)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with FaultProxy("127.0.0.1", server.server_address[1], http=True, check=check) as proxy:
+    with _upstream(got) as port:
+        with FaultProxy("127.0.0.1", port, http=True, check=check) as proxy:
             conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
             conn.request("PUT", "/b/refused?x=1", body=b"dropped")
             response = conn.getresponse()
@@ -211,9 +218,6 @@ def test_check_answers_the_requests_it_refuses_and_forwards_the_others() -> None
         assert got == [b"/b/taken"]
         assert heads[0].startswith(b"PUT /b/refused?x=1 HTTP/1.1\r\n")
         assert heads[0].endswith(b"\r\n\r\n")
-    finally:
-        server.shutdown()
-        server.server_close()
     with pytest.raises(ValueError, match="http=True"):
         FaultProxy("127.0.0.1", 1, check=check)
 
@@ -223,32 +227,21 @@ def test_drop_answers_forwards_the_request_and_loses_its_answer() -> None:
     whose connection is reset; other requests, and the next ones, go through."""
     got: list[bytes] = []
 
-    class Recording(_Ok):
-        def do_PUT(self) -> None:
-            got.append(self.path.encode())
-            super().do_PUT()
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Recording)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with FaultProxy("127.0.0.1", server.server_address[1], http=True) as proxy:
-            proxy.drop_answers(b"/commit", 1)
-            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
-            conn.request("PUT", "/parts/a", body=b"part")  # not matching: forwarded
-            assert conn.getresponse().read() == b"part"
-            conn.request("PUT", "/commit", body=b"commit")
-            with pytest.raises((ConnectionError, http.client.HTTPException)):
-                conn.getresponse().read()
-            conn.close()
-            assert got == [b"/parts/a", b"/commit"]  # the upstream did the work
-            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
-            conn.request("PUT", "/commit", body=b"again")  # asked again: answered
-            assert conn.getresponse().read() == b"again"
-            conn.close()
-            assert proxy.answers_dropped == 1
-    finally:
-        server.shutdown()
-        server.server_close()
+    with _upstream(got) as port, FaultProxy("127.0.0.1", port, http=True) as proxy:
+        proxy.drop_answers(b"/commit", 1)
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+        conn.request("PUT", "/parts/a", body=b"part")  # not matching: forwarded
+        assert conn.getresponse().read() == b"part"
+        conn.request("PUT", "/commit", body=b"commit")
+        with pytest.raises((ConnectionError, http.client.HTTPException)):
+            conn.getresponse().read()
+        conn.close()
+        assert got == [b"/parts/a", b"/commit"]  # the upstream did the work
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+        conn.request("PUT", "/commit", body=b"again")  # asked again: answered
+        assert conn.getresponse().read() == b"again"
+        conn.close()
+        assert proxy.answers_dropped == 1
 
 
 def test_answer_makes_the_next_n_matching_requests_answers_and_lists_request_lines() -> None:
@@ -257,43 +250,32 @@ def test_answer_makes_the_next_n_matching_requests_answers_and_lists_request_lin
     through; every request line is listed in order."""
     got: list[bytes] = []
 
-    class Recording(_Ok):
-        def do_PUT(self) -> None:
-            got.append(self.path.encode())
-            super().do_PUT()
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Recording)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     one, two = "/k?x&partNumber=1&y", "/k?x&partNumber=2&y"
-    try:
-        with FaultProxy("127.0.0.1", server.server_address[1], http=True) as proxy:
-            proxy.answer(b"&partNumber=1&", 2, "500 Internal Server Error", b"<Error>i</Error>")
-            answers = []
-            for path in [two, one, one]:
-                conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
-                conn.request("PUT", path, body=b"b")
-                response = conn.getresponse()
-                answers.append((response.status, response.read()))
-                conn.close()
+    with _upstream(got) as port, FaultProxy("127.0.0.1", port, http=True) as proxy:
+        proxy.answer(b"&partNumber=1&", 2, "500 Internal Server Error", b"<Error>i</Error>")
+        answers = []
+        for path in [two, one, one]:
             conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
-            conn.request("PUT", one, body=b"third")
-            answers.append((conn.getresponse().status, b""))
+            conn.request("PUT", path, body=b"b")
+            response = conn.getresponse()
+            answers.append((response.status, response.read()))
             conn.close()
-            assert answers == [
-                (200, b"b"), (500, b"<Error>i</Error>"), (500, b"<Error>i</Error>"), (200, b"")
-            ]  # fmt: skip
-            assert proxy.answered == 2
-            assert got == [two.encode(), one.encode()]
-            lines = [f"PUT {p} HTTP/1.1".encode() for p in (two, one, one, one)]
-            assert proxy.request_lines == lines
-            proxy.answer(b"/k", 5, "503 Slow Down", SLOWDOWN_BODY)
-            proxy.clear()  # disarms it
-            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
-            conn.request("PUT", "/k", body=b"clear")
-            assert conn.getresponse().read() == b"clear"
-            conn.close()
-    finally:
-        server.shutdown()
-        server.server_close()
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+        conn.request("PUT", one, body=b"third")
+        answers.append((conn.getresponse().status, b""))
+        conn.close()
+        assert answers == [
+            (200, b"b"), (500, b"<Error>i</Error>"), (500, b"<Error>i</Error>"), (200, b"")
+        ]  # fmt: skip
+        assert proxy.answered == 2
+        assert got == [two.encode(), one.encode()]
+        lines = [f"PUT {p} HTTP/1.1".encode() for p in (two, one, one, one)]
+        assert proxy.request_lines == lines
+        proxy.answer(b"/k", 5, "503 Slow Down", SLOWDOWN_BODY)
+        proxy.clear()  # disarms it
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+        conn.request("PUT", "/k", body=b"clear")
+        assert conn.getresponse().read() == b"clear"
+        conn.close()
     with pytest.raises(ValueError, match="http=True"):
         FaultProxy("127.0.0.1", 1).answer(b"/", 1, "503 Slow Down", SLOWDOWN_BODY)
