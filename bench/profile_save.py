@@ -49,7 +49,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -319,30 +318,10 @@ class _ProfiledService:
         from support.serviceproc import Service
 
         class Profiled(Service):
-            def start(self, timeout: float = 120.0) -> Service:
-                self.data_dir.mkdir(parents=True, exist_ok=True)
-                with open(self.log, "ab") as log:
-                    self.proc = subprocess.Popen(
-                        [
-                            sys.executable,
-                            __file__,
-                            "--serve",
-                            "serve",
-                            "--port",
-                            str(self.port),
-                            "--log-level",
-                            self.env.get("CKPTSTORE_TEST_LOG_LEVEL", "warning"),
-                        ],
-                        env=self.env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )
-                from support.waiting import poll
+            program = (sys.executable, __file__, "--serve")
 
-                if poll(self._up, timeout, interval=0.1):
-                    return self
-                self.stop()
-                raise RuntimeError(f"service did not start:\n{self.log.read_text()[-4000:]}")
+            def start(self, timeout: float = 120.0) -> Service:
+                return super().start(timeout)
 
         return Profiled(data_dir, env)
 

@@ -24,7 +24,10 @@ def free_port() -> int:
 
 
 class Service:
-    """``ckptstore-service serve`` in a child process; ``env`` adds CKPTSTORE_* settings."""
+    """``ckptstore-service serve`` in a child process; ``env`` adds CKPTSTORE_* settings.
+    ``program`` is the command before ``serve`` (a profiling bench runs its own)."""
+
+    program: tuple[str, ...] = (sys.executable, "-m", "ckptstore_service.cli")
 
     def __init__(self, data_dir: Path, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
@@ -39,9 +42,7 @@ class Service:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [
-                    sys.executable,
-                    "-m",
-                    "ckptstore_service.cli",
+                    *self.program,
                     "serve",
                     "--port",
                     str(self.port),
