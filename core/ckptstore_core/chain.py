@@ -68,9 +68,11 @@ class DecodedChunks:
 
     A load deep in a chain decodes every link of every chunk's chain; the loads of the
     steps around it (an evaluation sweep, a loop over a run's steps, a job resumed from the
-    step it just evaluated) would decode the same links again. With each link's bytes kept
-    as it is decoded (verified against its own checksum), a chain is decoded from its newest
-    kept link, and a sweep over a run decodes each link once.
+    step it just evaluated) would decode the same links again. With each chunk a load
+    decodes kept (verified against its checksum), a chain is decoded from its newest kept
+    link, and a second load of a step decodes nothing. The links below a chunk are not
+    kept: each would be a copy into fresh memory, which cost a deep cold load twice its
+    time (docs/architecture.md#decoded-chunks).
 
     Entries are keyed by chunk id and hold the checksum they were verified against: a chunk
     row keeps its id and raw bytes through re-roots and re-bases, and one whose bytes
@@ -256,7 +258,8 @@ class ChainDecoder:
         predicted from an fp32 master (decoded first, then cast), or to its newest link kept
         decoded, decoded forward, checked against ``c``'s own checksum (a ref's is that of
         the bytes it refers to: a ref whose base id points at another chunk must not pass
-        for it)."""
+        for it). With ``keep``, the result is kept decoded; the links below it are not
+        (see :class:`DecodedChunks`)."""
         want = c
         deltas, bottom = self.chain(c)
         if self.decoded is None:
@@ -272,12 +275,18 @@ class ChainDecoder:
             self.stats.kept += 1
             return kept
         try:
+            out = None
             for i, link in enumerate([*deltas, bottom][1:], 1):
                 kept = self.decoded.get(link)
                 if kept is not None:
                     self.stats.kept += 1
-                    return self._apply(kept, deltas[:i], want, bottom)
-            return self._apply(None, deltas, want, bottom)
+                    out = self._apply(kept, deltas[:i], want, bottom)
+                    break
+            if out is None:
+                out = self._apply(None, deltas, want, bottom)
+            if self._keep:
+                self.decoded.put(top, out)
+            return out
         finally:
             if self._keep:
                 self.decoded.end(top)
@@ -285,22 +294,13 @@ class ChainDecoder:
     def _apply(
         self, state: Piece | None, deltas: list[ChunkInfo], want: ChunkInfo, bottom: ChunkInfo
     ) -> Piece:
-        """``deltas`` (newest first) applied, oldest first, to ``state`` (the bytes of the
-        link below them) or, if None, to what ``bottom`` decodes to. Kept (``self._keep``):
-        link by link, each result checked against its own chunk's checksum and kept; else
-        in one pass, the result checked against ``want``'s."""
-        if not (self._keep and self.decoded is not None):
-            first = self._bottom(bottom) if state is None else [(codec.RAW, state)]
-            links = first + [(d.codec, self.fetch(d)) for d in reversed(deltas)]
-            stored = len(deltas) + (_stored(bottom) if state is None else 0)
-            return self._decode_links(links, want, stored)
-        if state is None:
-            state = self._decode_links(self._bottom(bottom), bottom, _stored(bottom))
-            self.decoded.put(bottom, state)
-        for d in reversed(deltas):
-            state = self._decode_links([(codec.RAW, state), (d.codec, self.fetch(d))], d, 1)
-            self.decoded.put(d, state)
-        return state
+        """``deltas`` (newest first) applied, oldest first, in one pass on one buffer, to
+        ``state`` (the bytes of the link below them) or, if None, to what ``bottom`` decodes
+        to; the result checked against ``want``'s checksum."""
+        first = self._bottom(bottom) if state is None else [(codec.RAW, state)]
+        links = first + [(d.codec, self.fetch(d)) for d in reversed(deltas)]
+        stored = len(deltas) + (_stored(bottom) if state is None else 0)
+        return self._decode_links(links, want, stored)
 
     def _bottom(self, c: ChunkInfo) -> list[tuple[str, Buffer]]:
         """The first links of a chain resting on ``c``: ``c`` itself if it is self-contained;

@@ -45,8 +45,8 @@ class Settings(BaseSettings):
         default=1 * GiB,
         ge=0,
         description="Memory budget of the chunks that loads decoded from storage, kept for "
-        "the loads that follow (LRU; 0: none): a sweep over a run's steps decodes each chain "
-        "link once.",
+        "the loads that follow (LRU; 0: none): a second load of a step decodes nothing, and "
+        "the next steps start their chains from it.",
     )
     auto_migrate: bool = Field(
         default=True,

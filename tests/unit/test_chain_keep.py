@@ -1,0 +1,100 @@
+"""What a load keeps decoded (``DecodedChunks``): the chunk it was asked for, not every link
+of its chain (each kept link is a copy into fresh memory: a deep cold load took twice as
+long keeping them, docs/benchmarks.md); and the next load starts from the newest chunk kept."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ckptstore_core import codec
+from ckptstore_core.chain import ChainDecoder, DecodedChunks
+from ckptstore_core.pipeline.rows import ChunkInfo
+
+ITEMS = 64 << 10  # fp32 items per chunk: above the size under which no delta is tried
+
+
+class Blobs:
+    """An in-memory :class:`RangeReader`."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[str, bytes] = {}
+        self.reads = 0
+
+    def view(self, key: str, start: int, end: int) -> memoryview:
+        self.reads += 1
+        return memoryview(self.blobs[key])[start:end]
+
+
+def steps(n: int) -> list[np.ndarray]:
+    """``n`` states of a tensor, each a few elements away from the one before."""
+    rng = np.random.default_rng(n)
+    state = rng.integers(0, 100, ITEMS).astype(np.float32)
+    out = [state]
+    for _ in range(n - 1):
+        state = state.copy()
+        state[rng.integers(0, ITEMS, ITEMS // 100)] += 1
+        out.append(state)
+    return out
+
+
+def chain_of(states: list[np.ndarray], blobs: Blobs) -> dict[int, ChunkInfo]:
+    """One chunk per state, each a delta of the one before (the first self-contained):
+    chunk ids 1..n, each in a blob of its own."""
+    closure: dict[int, ChunkInfo] = {}
+    for i, raw in enumerate(states):
+        base = states[i - 1].data if i else None
+        enc = codec.encode_chunk(raw.data, base, 4)
+        assert (i == 0) != codec.is_delta(enc.codec)  # a real chain: every next one a delta
+        blobs.blobs[f"b{i}"] = enc.payload
+        closure[i + 1] = ChunkInfo(
+            tensor_idx=0,
+            offset=0,
+            raw_len=raw.nbytes,
+            itemsize=4,
+            codec=enc.codec,
+            base_id=i or None,
+            depth=i,
+            blob_offset=0,
+            stored_len=len(enc.payload),
+            checksum=enc.checksum,
+            id=i + 1,
+            blob_key=f"b{i}",
+            checkpoint_id=i + 1,
+        )
+    return closure
+
+
+def test_a_load_keeps_what_it_was_asked_for_and_the_next_starts_from_it() -> None:
+    states = steps(5)
+    blobs = Blobs()
+    closure = chain_of(states, blobs)
+    kept = DecodedChunks(1 << 30)
+
+    deepest = ChainDecoder(blobs, closure, 0, decoded=kept, keep=True)
+    assert bytes(deepest.decode(closure[5])) == states[4].tobytes()
+    assert deepest.stats.links == 5
+    assert kept.nbytes == states[4].nbytes  # the chunk asked for only, no link below it
+    assert kept.get(closure[5]) is not None and kept.get(closure[4]) is None
+
+    # the chunk kept serves itself; a chunk below it decodes its own chain again
+    again = ChainDecoder(blobs, closure, 0, decoded=kept, keep=True)
+    assert bytes(again.decode(closure[5])) == states[4].tobytes()
+    assert again.stats.links == 0
+    below = ChainDecoder(blobs, closure, 0, decoded=kept, keep=True)
+    assert bytes(below.decode(closure[3])) == states[2].tobytes()
+    assert below.stats.links == 3
+    # and the next one up starts from it: one link
+    above = ChainDecoder(blobs, closure, 0, decoded=kept, keep=True)
+    assert bytes(above.decode(closure[4])) == states[3].tobytes()
+    assert above.stats.links == 1
+    assert kept.nbytes == 3 * states[0].nbytes
+
+
+def test_a_decoder_that_does_not_keep_leaves_the_kept_chunks_as_they_were() -> None:
+    states = steps(2)
+    blobs = Blobs()
+    closure = chain_of(states, blobs)
+    kept = DecodedChunks(1 << 30)
+    reader = ChainDecoder(blobs, closure, 0, decoded=kept, keep=False)
+    assert bytes(reader.decode(closure[2])) == states[1].tobytes()
+    assert kept.nbytes == 0
