@@ -716,6 +716,11 @@ def targets(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             f"{c['save_s']:.2f} s vs {z['save_s']:.2f} s "
             f"({c['save_mb_s']:.0f} vs {z['save_mb_s']:.0f} MB/s)",
         )
+        check(
+            f"{run}: ckptstore save >= 2x as fast as torch.save+zstd3 (1 thread)",
+            2 * c["save_s"] <= z["save_s"],
+            f"{z['save_s'] / c['save_s']:.2f}x ({c['save_s']:.2f} s vs {z['save_s']:.2f} s)",
+        )
         zf = m[ZSTDF]
         check(
             f"{run}: ckptstore save wall <= torch.save+zstd3 written to a file and fsynced",
