@@ -18,10 +18,8 @@ class Blobs:
 
     def __init__(self) -> None:
         self.blobs: dict[str, bytes] = {}
-        self.reads = 0
 
     def view(self, key: str, start: int, end: int) -> memoryview:
-        self.reads += 1
         return memoryview(self.blobs[key])[start:end]
 
 
@@ -64,29 +62,35 @@ def chain_of(states: list[np.ndarray], blobs: Blobs) -> dict[int, ChunkInfo]:
     return closure
 
 
+def decoded_links(
+    closure: dict[int, ChunkInfo],
+    blobs: Blobs,
+    kept: DecodedChunks,
+    chunk: int,
+    want: np.ndarray,
+    keep: bool = True,
+) -> int:
+    """Decode chunk ``chunk`` in a load of its own, check it is ``want``; the stored links
+    it decoded."""
+    decoder = ChainDecoder(blobs, closure, 0, decoded=kept, keep=keep)
+    assert bytes(decoder.decode(closure[chunk])) == want.tobytes()
+    return decoder.stats.links
+
+
 def test_a_load_keeps_what_it_was_asked_for_and_the_next_starts_from_it() -> None:
     states = steps(5)
     blobs = Blobs()
     closure = chain_of(states, blobs)
     kept = DecodedChunks(1 << 30)
 
-    deepest = ChainDecoder(blobs, closure, 0, decoded=kept, keep=True)
-    assert bytes(deepest.decode(closure[5])) == states[4].tobytes()
-    assert deepest.stats.links == 5
+    assert decoded_links(closure, blobs, kept, 5, states[4]) == 5
     assert kept.nbytes == states[4].nbytes  # the chunk asked for only, no link below it
     assert kept.get(closure[5]) is not None and kept.get(closure[4]) is None
-
-    # the chunk kept serves itself; a chunk below it decodes its own chain again
-    again = ChainDecoder(blobs, closure, 0, decoded=kept, keep=True)
-    assert bytes(again.decode(closure[5])) == states[4].tobytes()
-    assert again.stats.links == 0
-    below = ChainDecoder(blobs, closure, 0, decoded=kept, keep=True)
-    assert bytes(below.decode(closure[3])) == states[2].tobytes()
-    assert below.stats.links == 3
-    # and the next one up starts from it: one link
-    above = ChainDecoder(blobs, closure, 0, decoded=kept, keep=True)
-    assert bytes(above.decode(closure[4])) == states[3].tobytes()
-    assert above.stats.links == 1
+    # the chunk kept serves itself; a chunk below it decodes its own chain again...
+    assert decoded_links(closure, blobs, kept, 5, states[4]) == 0
+    assert decoded_links(closure, blobs, kept, 3, states[2]) == 3
+    # ...and the next one up starts from it: one link
+    assert decoded_links(closure, blobs, kept, 4, states[3]) == 1
     assert kept.nbytes == 3 * states[0].nbytes
 
 
@@ -95,6 +99,5 @@ def test_a_decoder_that_does_not_keep_leaves_the_kept_chunks_as_they_were() -> N
     blobs = Blobs()
     closure = chain_of(states, blobs)
     kept = DecodedChunks(1 << 30)
-    reader = ChainDecoder(blobs, closure, 0, decoded=kept, keep=False)
-    assert bytes(reader.decode(closure[2])) == states[1].tobytes()
+    assert decoded_links(closure, blobs, kept, 2, states[1], keep=False) == 2
     assert kept.nbytes == 0
