@@ -46,8 +46,9 @@ exp_avg_sq, other) compares ckptstore (read from its SQLite catalog) with zipnn.
 
 Output: a table, a "targets" section (PASS/FAIL with figures), bench/out/results.json (all
 figures, per-checkpoint sizes, machine info, load averages) and bench/out/stored_bytes.png.
-The script reports; it never fails on a missed target (exit status 0). About 5-7 minutes on two
-idle cores (~2.1 GB peak memory); ``--quick`` (tiny models, one pass) about 45 seconds.
+The script reports; it never fails on a missed target (exit status 0). About 11 minutes on two
+idle cores, with the sweeps over every step (~2.1 GB peak memory); ``--quick`` (tiny models,
+one pass) about 45 seconds.
 Other work on the machine skews the timings; the load average is recorded next to them.
 """
 
