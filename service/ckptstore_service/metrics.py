@@ -135,6 +135,12 @@ class Metrics:
             "kept decoded from an earlier load is not decoded again)",
             registry=r,
         )
+        self._read_ahead = Counter(
+            "ckptstore_read_ahead_bytes",
+            "Raw bytes of checkpoints decoded ahead of their loads, when loads walk a run's "
+            "steps in order",
+            registry=r,
+        )
         self._maintenance = Counter(
             "ckptstore_maintenance_runs",
             "Background maintenance runs by task (reroot, garbage, parts) and outcome",
@@ -251,6 +257,9 @@ class Metrics:
 
     def links_decoded(self, links: int) -> None:
         self._links_decoded.inc(links)
+
+    def read_ahead(self, raw_bytes: int) -> None:
+        self._read_ahead.inc(raw_bytes)
 
     # -- maintenance ---------------------------------------------------------------------------
 

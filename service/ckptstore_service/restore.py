@@ -35,6 +35,7 @@ from ckptstore_core.wire import encode_header
 from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog, CheckpointRecord, TensorInfo
 from ckptstore_service.chains import ChainSource, DecodeStats, Piece, check_empty
+from ckptstore_service.read_ahead import ReadAhead
 
 __all__ = [
     "CHECKSUMS_KEY",
@@ -65,10 +66,17 @@ class Loader:
     """Serves checkpoints: from the base cache when it holds them, else decoded from
     storage (and, for a run's latest, kept in the cache as it streams: the cache policy)."""
 
-    def __init__(self, catalog: Catalog, cache: CachePolicy, source: ChainSource) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        cache: CachePolicy,
+        source: ChainSource,
+        read_ahead: ReadAhead | None = None,
+    ) -> None:
         self._catalog = catalog
         self._cache = cache
         self._source = source
+        self._read_ahead = read_ahead
 
     def open(
         self,
@@ -121,6 +129,7 @@ class Loader:
             lambda stats: _completed_on_corruption(
                 tensors, self._data(info, tensors, stats, fill=whole)
             ),
+            after=whole,
         )
 
     def _start(
@@ -129,8 +138,10 @@ class Loader:
         specs: list[tuple[str, str, tuple[int, ...]]],
         metadata: dict[str, str],
         data: Callable[[DecodeStats], Iterator[Piece]],
+        after: bool = True,
     ) -> Restore:
-        """The response: the header of ``specs``, then the bytes ``data`` yields."""
+        """The response: the header of ``specs``, then the bytes ``data`` yields; once they
+        are all out, a whole load (``after``) is told to the read-ahead."""
         first, header = encode_header(specs, metadata)
 
         def body() -> Iterator[Piece]:
@@ -147,6 +158,8 @@ class Loader:
                 stats.fetch_s,
                 stats.decode_s,
             )
+            if after and self._read_ahead is not None:
+                self._read_ahead.loaded(info)
 
         # the first piece now: what fails before it (the catalog's chunks, the first decodes)
         # is still an HTTP error; what fails later can only cut the response short

@@ -22,6 +22,7 @@ from ckptstore_service.chains import ChainSource, DecodedChunks
 from ckptstore_service.maintenance.garbage import collect_crashed_uploads
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.ranges import DirectLoads
+from ckptstore_service.read_ahead import ReadAhead
 from ckptstore_service.restore import Loader
 from ckptstore_service.save import Saver
 from ckptstore_service.save.direct import DirectSaver
@@ -96,6 +97,7 @@ class Runtime:
     parts: PartSaver = field(init=False)
     direct: DirectSaver = field(init=False)
     ranges: DirectLoads = field(init=False)
+    read_ahead: ReadAhead = field(init=False)
     loader: Loader = field(init=False)
     policy: CachePolicy = field(init=False)
 
@@ -108,7 +110,10 @@ class Runtime:
             self.pool, self.budget, self.settings.chunk_bytes, self.settings.zstd_level
         )
         self.saver = Saver(self.catalog, self.store, policy, chunks, self.settings, self.metrics)
-        self.loader = Loader(self.catalog, policy, self.source)
+        self.read_ahead = ReadAhead(
+            self.catalog, self.source, self.cache, self.metrics, self.settings.read_ahead
+        )
+        self.loader = Loader(self.catalog, policy, self.source, self.read_ahead)
         self.parts = PartSaver(
             self.catalog,
             self.store,
@@ -182,6 +187,7 @@ class Runtime:
 
     def close(self) -> None:
         self.policy.close()  # its fills decode in the codec pool: stopped first
+        self.read_ahead.close()  # likewise
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.store.close()
         self.catalog.close()

@@ -48,6 +48,11 @@ class Settings(BaseSettings):
         "the loads that follow (LRU; 0: none): a second load of a step decodes nothing, and "
         "the next steps start their chains from it.",
     )
+    read_ahead: bool = Field(
+        default=True,
+        description="When loads walk a run's steps in order, decode the next step in the "
+        "background into the decoded chunks kept (see read_ahead.py).",
+    )
     auto_migrate: bool = Field(
         default=True,
         description="Upgrade the database schema at start-up "

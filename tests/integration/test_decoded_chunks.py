@@ -18,6 +18,7 @@ from ckptstore import CheckpointClient
 from ckptstore_core import codec
 from support.serviceproc import Service, wait_idle
 from support.states import assert_same_state, training_states
+from support.waiting import wait_until
 
 STEPS = 6
 ENV = {
@@ -32,13 +33,17 @@ def states() -> list[dict[str, Any]]:
     return training_states(STEPS)
 
 
-def links_decoded(svc: Service) -> float:
+def counted(svc: Service, name: str) -> float:
     text = httpx.get(f"{svc.url}/metrics").text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "ckptstore_chain_links_decoded_total":
+            if sample.name == name:
                 return sample.value
-    raise AssertionError("no ckptstore_chain_links_decoded_total sample")
+    raise AssertionError(f"no {name} sample")
+
+
+def links_decoded(svc: Service) -> float:
+    return counted(svc, "ckptstore_chain_links_decoded_total")
 
 
 def stored_links(data_dir: Path) -> int:
@@ -120,3 +125,41 @@ def test_a_budget_smaller_than_a_checkpoint_still_loads_bit_exactly(
         make_service, data_dir, states, {"CKPTSTORE_DECODED_CACHE_BYTES": str(128 << 10)}
     )
     assert cold > 0 and warm > 0
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_loads_that_walk_a_run_in_order_find_the_next_step_read_ahead(
+    make_service: Callable[..., Service],
+    states: list[dict[str, Any]],
+    tmp_path: Path,
+    read_ahead: bool,
+) -> None:
+    data_dir = tmp_path / "data"
+    svc = make_service(ENV, data_dir)
+    with CheckpointClient(svc.url) as client:
+        for step, state in enumerate(states):
+            client.save("run", step, state)
+        wait_idle(svc.url)
+        raw = {c.step: c.raw_bytes for c in client.list("run")}
+    svc.stop()
+    svc = make_service({**ENV, "CKPTSTORE_READ_AHEAD": str(read_ahead).lower()}, data_dir)
+    with CheckpointClient(svc.url) as client:
+        for step in (4, 0, 3):  # a jump back, then one forward: no walk
+            assert_same_state(states[step], client.load("run", step))
+        assert counted(svc, "ckptstore_read_ahead_bytes_total") == 0
+        assert_same_state(states[4], client.load("run", 4))  # 3 then 4: a walk
+        last = STEPS - 1
+        if read_ahead:  # the last step decoded in the background, and only it
+            wait_until(
+                lambda: counted(svc, "ckptstore_read_ahead_bytes_total") > 0,
+                30,
+                "the last step read ahead",
+            )
+            assert counted(svc, "ckptstore_read_ahead_bytes_total") == raw[last]
+        before = links_decoded(svc)
+        assert_same_state(states[last], client.load("run", last))  # the walk's end
+        if read_ahead:
+            assert links_decoded(svc) == before  # served from memory
+        else:
+            assert links_decoded(svc) > before
+            assert counted(svc, "ckptstore_read_ahead_bytes_total") == 0

@@ -274,6 +274,10 @@ class Catalog:
         """The committed checkpoint of ``run`` with the greatest step below ``step``."""
         return checkpoints.parent_of(self._db, run, step)
 
+    def next_after(self, run: str, step: int) -> CheckpointRecord | None:
+        """The committed checkpoint of ``run`` with the smallest step above ``step``."""
+        return checkpoints.next_after(self._db, run, step)
+
     def list_checkpoints(self, run: str) -> list[CheckpointRecord]:
         return checkpoints.list_checkpoints(self._db, run)
 

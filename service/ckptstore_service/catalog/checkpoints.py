@@ -139,6 +139,17 @@ def parent_of(db: Database, run: str, step: int) -> CheckpointRecord | None:
     return _first(db, query)
 
 
+def next_after(db: Database, run: str, step: int) -> CheckpointRecord | None:
+    """The committed checkpoint of ``run`` with the smallest step above ``step``."""
+    query = (
+        _info_query()
+        .where(Run.name == run, Checkpoint.step > step)
+        .order_by(Checkpoint.step)
+        .limit(1)
+    )
+    return _first(db, query)
+
+
 def list_checkpoints(db: Database, run: str) -> list[CheckpointRecord]:
     """The run's committed checkpoints by step; RunNotFound if it has none."""
     query = _info_query().where(Run.name == run).order_by(Checkpoint.step)
