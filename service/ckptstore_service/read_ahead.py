@@ -55,6 +55,7 @@ class ReadAhead:
         self._last: OrderedDict[str, int] = OrderedDict()  # run -> step of its last load
         self._lock = threading.Lock()
         self._busy = False
+        self._wanted: CheckpointRecord | None = None  # a walk's load while one was read
         self._closing = threading.Event()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-read-ahead")
 
@@ -72,7 +73,7 @@ class ReadAhead:
             self._last[info.run] = info.step
             if len(self._last) > _RUNS:
                 self._last.popitem(last=False)
-            if before is None or before >= info.step or self._busy:
+            if before is None or before >= info.step:
                 return
         try:
             parent = self._catalog.parent_of(info.run, info.step)
@@ -82,13 +83,28 @@ class ReadAhead:
             return  # not the step right before: no walk
         with self._lock:
             if self._busy:
+                # the load of the step being read ahead often ends with its read-ahead:
+                # this walk's next step is read once that one is done
+                self._wanted = info
                 return
             self._busy = True
         try:
-            self._reader.submit(self._ahead, info)
+            self._reader.submit(self._walk, info)
         except RuntimeError:  # shut down
             with self._lock:
                 self._busy = False
+
+    def _walk(self, info: CheckpointRecord) -> None:
+        """Read ahead after ``info``, then after the walk's load that came meanwhile."""
+        while True:
+            if not self._closing.is_set():
+                self._ahead(info)
+            with self._lock:
+                wanted, self._wanted = self._wanted, None
+                if wanted is None or self._closing.is_set():
+                    self._busy = False
+                    return
+            info = wanted
 
     def _ahead(self, info: CheckpointRecord) -> None:
         try:
@@ -113,6 +129,3 @@ class ReadAhead:
                 type(exc).__name__,
                 " ".join(str(exc).split()),
             )
-        finally:
-            with self._lock:
-                self._busy = False
