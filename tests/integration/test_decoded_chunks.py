@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ckptstore import CheckpointClient
+from ckptstore import CheckpointClient, CheckpointInfo
 from ckptstore_core import codec
 from support.serviceproc import Service, wait_idle
 from support.states import assert_same_state, training_states
@@ -61,6 +61,21 @@ def stored_links(data_dir: Path) -> int:
     )
 
 
+def saved(
+    make_service: Callable[..., Service], data_dir: Path, states: list[dict[str, Any]]
+) -> list[CheckpointInfo]:
+    """``states`` saved as steps 0, 1, ... of run ``run`` (re-rooted once the service is
+    idle), the service stopped; the run's listing."""
+    svc = make_service(ENV, data_dir)
+    with CheckpointClient(svc.url) as client:
+        for step, state in enumerate(states):
+            client.save("run", step, state)
+        wait_idle(svc.url)  # the re-root the last saves set off
+        listing = client.list("run")
+    svc.stop()
+    return listing
+
+
 def sweep(
     make_service: Callable[..., Service],
     data_dir: Path,
@@ -86,14 +101,8 @@ def test_a_sweep_outward_from_the_keyframe_decodes_each_link_once(
     make_service: Callable[..., Service], states: list[dict[str, Any]], tmp_path: Path
 ) -> None:
     data_dir = tmp_path / "data"
-    svc = make_service(ENV, data_dir)
-    with CheckpointClient(svc.url) as client:
-        infos = [client.save("run", step, state) for step, state in enumerate(states)]
-        wait_idle(svc.url)  # the re-root the last saves set off
-        listing = client.list("run")
+    listing = saved(make_service, data_dir, states)
     assert max(c.chain_depth for c in listing) >= 2
-    assert infos[-1].chain_depth >= 2
-    svc.stop()
     links = stored_links(data_dir)
 
     # nearest the keyframe first: each chunk's base is kept by the time it is asked for
@@ -114,12 +123,7 @@ def test_a_budget_smaller_than_a_checkpoint_still_loads_bit_exactly(
     make_service: Callable[..., Service], states: list[dict[str, Any]], tmp_path: Path
 ) -> None:
     data_dir = tmp_path / "data"
-    svc = make_service(ENV, data_dir)
-    with CheckpointClient(svc.url) as client:
-        for step, state in enumerate(states):
-            client.save("run", step, state)
-        wait_idle(svc.url)
-    svc.stop()
+    saved(make_service, data_dir, states)
     # two chunks' worth: entries come and go while chains are decoded
     cold, warm = sweep(
         make_service, data_dir, states, {"CKPTSTORE_DECODED_CACHE_BYTES": str(128 << 10)}
@@ -135,13 +139,7 @@ def test_loads_that_walk_a_run_in_order_find_the_next_step_read_ahead(
     read_ahead: bool,
 ) -> None:
     data_dir = tmp_path / "data"
-    svc = make_service(ENV, data_dir)
-    with CheckpointClient(svc.url) as client:
-        for step, state in enumerate(states):
-            client.save("run", step, state)
-        wait_idle(svc.url)
-        raw = {c.step: c.raw_bytes for c in client.list("run")}
-    svc.stop()
+    raw = {c.step: c.raw_bytes for c in saved(make_service, data_dir, states)}
     svc = make_service({**ENV, "CKPTSTORE_READ_AHEAD": str(read_ahead).lower()}, data_dir)
     with CheckpointClient(svc.url) as client:
         for step in (4, 0, 3):  # a jump back, then one forward: no walk
