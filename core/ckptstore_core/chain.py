@@ -275,14 +275,13 @@ class ChainDecoder:
             self.stats.kept += 1
             return kept
         try:
-            out = None
             for i, link in enumerate([*deltas, bottom][1:], 1):
                 kept = self.decoded.get(link)
                 if kept is not None:
                     self.stats.kept += 1
                     out = self._apply(kept, deltas[:i], want, bottom)
                     break
-            if out is None:
+            else:
                 out = self._apply(None, deltas, want, bottom)
             if self._keep:
                 self.decoded.put(top, out)
