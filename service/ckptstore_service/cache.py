@@ -37,11 +37,13 @@ import shutil
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ANY", "BaseCache", "CachedBase", "open_reader"]
+from ckptstore_core.codec import Buffer
+
+__all__ = ["ANY", "BaseCache", "CachedBase", "open_reader", "write_file"]
 
 ANY = object()  # install()'s if_current: whatever the run's entry is
 
@@ -58,6 +60,17 @@ def open_reader(path: Path) -> int:
     fd = os.open(path, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd
+
+
+def write_file(path: Path, pieces: Iterable[Buffer]) -> int:
+    """Write ``pieces`` to ``path`` from its start, without truncating it (a recycled file
+    is overwritten in place, then cut to size by :meth:`BaseCache.install`); returns the
+    bytes written."""
+    size = 0
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as out:
+        for piece in pieces:
+            size += out.write(piece)
+    return size
 
 
 def _remove(path: Path) -> None:

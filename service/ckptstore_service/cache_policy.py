@@ -42,16 +42,17 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckptstore_core.errors import StorageUnavailable
-from ckptstore_service.cache import ANY, BaseCache, open_reader
+from ckptstore_service.cache import ANY, BaseCache, open_reader, write_file
 from ckptstore_service.catalog import Catalog, CheckpointRecord
 from ckptstore_service.chains import ChainSource, Piece
 from ckptstore_service.metrics import CachePath, Metrics
+from ckptstore_service.storage import BlobSink, Buffer
 
 __all__ = ["CachePolicy", "SaveFiles"]
 
@@ -68,6 +69,19 @@ class SaveFiles:
     path: Path
     fd: int
     committed: tuple[int, int] | None = None
+
+
+class _Files:
+    """Base-cache files as a :class:`~ckptstore_service.storage.StreamTarget`: the key is
+    the file's path, written from its start (a recycled file is cut to size when it is
+    installed)."""
+
+    @staticmethod
+    def put_stream(key: str, chunks: Iterable[Buffer]) -> int:
+        return write_file(Path(key), chunks)
+
+
+_FILES = _Files()
 
 
 class CachePolicy:
@@ -166,26 +180,29 @@ class CachePolicy:
 
     def fill(self, info: CheckpointRecord, data: Iterator[Piece]) -> Generator[Piece, None, None]:
         """Pass a load's decoded data through, keeping a copy as the run's base cache if the
-        checkpoint is its latest and no newer one is installed by the time it ends."""
+        checkpoint is its latest and no newer one is installed by the time it ends. The
+        copy is written by a thread of its own (a :class:`BlobSink`, bounded), so the
+        load's stream does not wait for the file: a fresh file costs the kernel a page per
+        4 KiB, which on two cores took as long as the stream itself."""
         latest = self._catalog.find(info.run, None)
         if latest is None or latest.id != info.id:
             yield from data
             return
         before = self.cache.current(info.run)
         tmp = self.cache.new_file(info.run)
-        size = 0
-        complete = False
+        writer = BlobSink(_FILES, str(tmp))
+        size = None
         try:
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as out:
-                for piece in data:
-                    size += out.write(piece)
-                    yield piece
-            complete = True
+            for piece in data:
+                writer.write((piece,))
+                yield piece
+            size = writer.finish()
         finally:
-            if complete:
-                self._install_if_latest(info.run, info.id, tmp, size, before)
-            else:
+            if size is None:
+                writer.abort()
                 self.cache.discard(tmp)
+            else:
+                self._install_if_latest(info.run, info.id, tmp, size, before)
 
     def warm_after(self, info: CheckpointRecord, data: Iterator[Piece]) -> Iterator[Piece]:
         """Pass a load's decoded data through (a load that cannot fill as it streams), then

@@ -5,7 +5,6 @@ load directly run too): a checkpoint's tensors decoded from the blob store
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from concurrent.futures import Executor
 from pathlib import Path
@@ -24,6 +23,7 @@ from ckptstore_core.chain import (
 )
 from ckptstore_core.errors import CheckpointNotFound, CorruptData
 from ckptstore_core.pipeline import BaseChunk, Budget
+from ckptstore_service.cache import write_file
 from ckptstore_service.catalog import Catalog, CheckpointRecord, TensorInfo
 from ckptstore_service.storage import BlobStore
 
@@ -92,14 +92,7 @@ class ChainSource:
 
     def materialize(self, info: CheckpointRecord, path: Path) -> None:
         """Write the checkpoint's raw data section (the base cache layout) to ``path``."""
-        tensors = self._catalog.tensors(info.id)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)  # a recycled file: overwritten
-        try:
-            with os.fdopen(fd, "wb", closefd=False) as out:
-                for data in self.stream(info, tensors):
-                    out.write(data)
-        finally:
-            os.close(fd)
+        write_file(path, self.stream(info, self._catalog.tensors(info.id)))
 
 
 class StoredBases:

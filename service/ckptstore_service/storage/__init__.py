@@ -23,7 +23,7 @@ from .base import (
     presigned_key,
 )
 from .local import LocalBlobStore
-from .sink import BlobSink
+from .sink import BlobSink, StreamTarget
 
 __all__ = [
     "PRESIGNED_SUFFIX",
@@ -35,6 +35,7 @@ __all__ = [
     "Buffer",
     "LocalBlobStore",
     "S3Timeouts",
+    "StreamTarget",
     "check_key",
     "open_blob_store",
 ]

@@ -5,20 +5,29 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 from ckptstore_core.errors import InvalidStream
 from ckptstore_service.handoff import unbatched
 
-from .base import BlobStore, Buffer
+from .base import Buffer
 
-__all__ = ["BlobSink"]
+__all__ = ["BlobSink", "StreamTarget"]
 
 _END = object()
 
 
+class StreamTarget(Protocol):
+    """Where a :class:`BlobSink` writes: a :class:`BlobStore`, or anything else that takes
+    a stream of pieces under a key (a base-cache file filled by a load)."""
+
+    def put_stream(self, key: str, chunks: Iterable[Buffer]) -> int: ...
+
+
 class BlobSink:
     """A blob written in order: the :class:`ckptstore_core.pipeline.ChunkSink` of saves,
-    parts and rewrites. Runs ``store.put_stream`` in its own thread, fed through a bounded
+    parts and rewrites (and the writer of a load's base-cache fill). Runs
+    ``store.put_stream`` in its own thread, fed through a bounded
     queue; :meth:`finish` makes the blob durable, :meth:`abort` drops it (a multipart
     upload aborted, a temp file removed).
 
@@ -28,7 +37,7 @@ class BlobSink:
 
     _BATCH = 1 << 20
 
-    def __init__(self, store: BlobStore, key: str) -> None:
+    def __init__(self, store: StreamTarget, key: str) -> None:
         self._q: queue.Queue[object] = queue.Queue(4)
         self._result: int | BaseException | None = None
         self._batch: list[Buffer] = []
@@ -40,7 +49,7 @@ class BlobSink:
     def _pieces(self) -> Iterator[bytes]:
         return unbatched(iter(self._q.get, None), _END)  # get() until _END (never None)
 
-    def _run(self, store: BlobStore, key: str) -> None:
+    def _run(self, store: StreamTarget, key: str) -> None:
         try:
             self._result = store.put_stream(key, self._pieces())
         except BaseException as exc:
