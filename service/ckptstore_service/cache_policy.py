@@ -182,8 +182,7 @@ class CachePolicy:
         """Pass a load's decoded data through, keeping a copy as the run's base cache if the
         checkpoint is its latest and no newer one is installed by the time it ends. The
         copy is written by a thread of its own (a :class:`BlobSink`, bounded), so the
-        load's stream does not wait for the file: a fresh file costs the kernel a page per
-        4 KiB, which on two cores took as long as the stream itself."""
+        load's stream does not wait for the file's writes (docs/benchmarks.md, run 16)."""
         latest = self._catalog.find(info.run, None)
         if latest is None or latest.id != info.id:
             yield from data
