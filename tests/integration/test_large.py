@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,12 +16,17 @@ from support.serviceproc import Service
 GiB = 1 << 30
 MiB = 1 << 20
 BOUND = 512 * MiB
+# what the test writes: the first checkpoint's blob (~1.9 GB: randn does not compress), the
+# delta's, and the 2 GiB base cache file (measured: 3.7 GB in its folder at the end)
+DISK = 5 * GiB
 
 
 @pytest.mark.slow
 def test_two_gib_checkpoint_with_bounded_service_memory(
-    make_service: Callable[..., Service],
+    make_service: Callable[..., Service], tmp_path: Path
 ) -> None:
+    free = shutil.disk_usage(tmp_path).free
+    assert free >= DISK, f"the 2 GiB test needs {DISK / GiB:.0f} GiB free, {free / GiB:.1f} left"
     # the streaming bound: the decoded chunks that loads keep for the next ones are a
     # budget of their own, CKPTSTORE_DECODED_CACHE_BYTES (docs/architecture.md#memory)
     svc = make_service({"CKPTSTORE_DECODED_CACHE_BYTES": "0"})
