@@ -4,11 +4,14 @@ background into the decoded chunks kept (:class:`ckptstore_core.chain.DecodedChu
 the caller works on the step it has, so its load is served from memory.
 
     loader -> loaded(info) after each whole load
-           -> two loads of one run, the second the committed step right after the first:
-              the step after it is decoded, in the codec pool, keeping what it decodes
+           -> the run's first load, or two loads of one run, the second the committed step
+              right after the first: the step after it is decoded, in the codec pool,
+              keeping what it decodes
 
-Like the operating system's read-ahead of a file read in order, it starts only on a walk
-(two consecutive steps loaded one after the other, on this replica), reads one step ahead,
+Like the operating system's read-ahead of a file read in order, it starts on a run's first
+load on this replica (the file's first read: an evaluation sweep's first step; a resume
+loads the latest, which has no next step) and on a walk (two consecutive steps loaded one
+after the other), not after a jump (back, or forward over a step), reads one step ahead,
 one at a time in the process, and only what fits: the step must take at most a third of the
 decoded-chunk budget (the step being used and the one before it stay kept), and must not be
 the run's latest held in the base cache (served from its file already). A load of the step
@@ -64,8 +67,9 @@ class ReadAhead:
         self._reader.shutdown(wait=True, cancel_futures=True)
 
     def loaded(self, info: CheckpointRecord) -> None:
-        """A whole load of ``info`` was served: read the step after it ahead if this load
-        continues a walk (see the module's docstring); returns at once."""
+        """A whole load of ``info`` was served: read the step after it ahead if this load is
+        the run's first here or continues a walk (see the module's docstring); returns at
+        once."""
         if not self._enabled:
             return
         with self._lock:
@@ -73,14 +77,15 @@ class ReadAhead:
             self._last[info.run] = info.step
             if len(self._last) > _RUNS:
                 self._last.popitem(last=False)
-            if before is None or before >= info.step:
+            if before is not None and before >= info.step:
+                return  # a jump back, or the same step again: no walk
+        if before is not None:
+            try:
+                parent = self._catalog.parent_of(info.run, info.step)
+            except Exception:  # the database is away: the load itself was served
                 return
-        try:
-            parent = self._catalog.parent_of(info.run, info.step)
-        except Exception:  # the database is away: the load itself was served
-            return
-        if parent is None or parent.step != before:
-            return  # not the step right before: no walk
+            if parent is None or parent.step != before:
+                return  # not the step right before: no walk
         with self._lock:
             if self._busy:
                 # the load of the step being read ahead often ends with its read-ahead:

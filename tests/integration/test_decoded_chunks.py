@@ -141,23 +141,27 @@ def test_loads_that_walk_a_run_in_order_find_the_next_step_read_ahead(
     data_dir = tmp_path / "data"
     raw = {c.step: c.raw_bytes for c in saved(make_service, data_dir, states)}
     svc = make_service({**ENV, "CKPTSTORE_READ_AHEAD": str(read_ahead).lower()}, data_dir)
+
+    def read() -> float:
+        return counted(svc, "ckptstore_read_ahead_bytes_total")
+
+    last = STEPS - 1
     with CheckpointClient(svc.url) as client:
-        for step in (4, 0, 3):  # a jump back, then one forward: no walk
+        assert_same_state(states[0], client.load("run", 0))  # the run's first load here
+        if read_ahead:  # the step after it
+            wait_until(lambda: read() > 0, 30, "step 1 read ahead")
+            assert read() == raw[1]
+        for step in (4, 3):  # a jump forward, then one back: no walk
             assert_same_state(states[step], client.load("run", step))
-        assert counted(svc, "ckptstore_read_ahead_bytes_total") == 0
+        assert read() == (raw[1] if read_ahead else 0)
         assert_same_state(states[4], client.load("run", 4))  # 3 then 4: a walk
-        last = STEPS - 1
         if read_ahead:  # the last step decoded in the background, and only it
-            wait_until(
-                lambda: counted(svc, "ckptstore_read_ahead_bytes_total") > 0,
-                30,
-                "the last step read ahead",
-            )
-            assert counted(svc, "ckptstore_read_ahead_bytes_total") == raw[last]
+            wait_until(lambda: read() > raw[1], 30, "the last step read ahead")
+            assert read() == raw[1] + raw[last]
         before = links_decoded(svc)
         assert_same_state(states[last], client.load("run", last))  # the walk's end
         if read_ahead:
             assert links_decoded(svc) == before  # served from memory
         else:
             assert links_decoded(svc) > before
-            assert counted(svc, "ckptstore_read_ahead_bytes_total") == 0
+            assert read() == 0
