@@ -331,6 +331,24 @@ def test_the_least_token_that_should_pass_passes(svc: Service, tokens: dict[str,
         assert http.delete("/v1/tokens/short").status_code == 404
 
 
+@pytest.mark.parametrize(
+    "key",
+    [
+        "9" * 30,  # digits beyond any integer column (was a 500: OverflowError)
+        "%C2%B3",  # "³": isdigit() says yes, int() says no (was a 500: ValueError)
+        "%D9%A3",  # an Arabic-Indic 3, likewise
+    ],
+)
+def test_revoking_a_token_that_no_key_names_is_a_404(
+    svc: Service, tokens: dict[str, str], key: str
+) -> None:
+    with httpx.Client(base_url=svc.url, headers=_bearer(tokens["admin"])) as http:
+        before = http.get("/v1/tokens").json()["tokens"]
+        answer = http.delete(f"/v1/tokens/{key}")
+        assert answer.status_code == 404, answer.text
+        assert http.get("/v1/tokens").json()["tokens"] == before  # nothing revoked
+
+
 def test_the_client_raises_the_typed_errors_at_once(svc: Service, tokens: dict[str, str]) -> None:
     # retried, these would take >= 30 s (backoff 10 s)
     started = time.monotonic()

@@ -71,6 +71,8 @@ def test_keys_written_before_the_spread_still_parse() -> None:
     assert parsed is not None and (parsed.run, parsed.step, parsed.spread) == ("r", 12, None)
     up = f"runs/r/12-{UID}.1700000000.presigned.blob"
     assert presigned_since(up) == 1700000000
+    # a key in the store that no replica wrote: a stamp of other digits is no stamp
+    assert presigned_since(f"runs/r/12-{UID}.\u00b3.presigned.blob") is None
     got = parse_blob_key(up)
     assert got is not None and (got.step, got.since) == (12, 1700000000)
     _check_upload_key("r", 12, up)  # an upload begun by a replica of before the spread

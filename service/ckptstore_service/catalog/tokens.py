@@ -20,6 +20,8 @@ from ckptstore_service.catalog.models import Token
 
 __all__ = ["TokenStore"]
 
+_MAX_ID = (1 << 63) - 1  # a 64-bit signed integer column, on SQLite and PostgreSQL
+
 
 def _info(row: Token) -> TokenInfo:
     return TokenInfo(
@@ -70,7 +72,12 @@ class TokenStore:
     def revoke(self, key: str) -> TokenInfo | None:
         """Revoke the token named ``key`` (or of id ``key``, all digits) unless it is revoked
         already; the token revoked, or None if no such token was in use."""
-        where = Token.id == int(key) if key.isdigit() else Token.name == key
+        if key.isascii() and key.isdigit():  # not "³", which isdigit() and int() refuses
+            if int(key) > _MAX_ID:
+                return None  # no row has it, and the database's integers cannot hold it
+            where = Token.id == int(key)
+        else:
+            where = Token.name == key
         with self._db.session() as s:
             row = s.scalar(select(Token).where(where, Token.revoked_at.is_(None)))
             if row is None:

@@ -71,7 +71,7 @@ def presigned_since(key: str) -> int | None:
     if not key.endswith(PRESIGNED_SUFFIX):
         return None
     stamp = key.removesuffix(PRESIGNED_SUFFIX).rpartition(".")[2]
-    return int(stamp) if stamp.isdigit() else None
+    return int(stamp) if stamp.isascii() and stamp.isdigit() else None
 
 
 @dataclass(frozen=True)
