@@ -88,6 +88,8 @@ _FOREIGN_FORMATS: Sequence[tuple[bytes, str]] = (
 _BOUNDARY_CHARS = frozenset(
     b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ'()+_,-./:=? "
 )
+# what no header's length reaches, and most other formats' first 8 bytes do: 256 TiB
+_IMPLAUSIBLE_HEADER = 1 << 48
 _MULTIPART = (
     "a multipart form upload (as curl -F or an HTML form sends): send the file itself as the "
     "raw body instead (curl --data-binary @model.safetensors)"
@@ -183,6 +185,18 @@ def _foreign_format(start: bytes) -> InvalidStream | None:
     if not what:
         return None
     return InvalidStream(f"the body is not a safetensors stream: it looks like {what}; {_EXPECTED}")
+
+
+def _not_a_length(n: int) -> InvalidStream | None:
+    """The error for a first 8 bytes that no safetensors stream starts with: a header
+    length of 256 TiB or more (a PNG, a text file, any other format's first bytes read as
+    one) is no header's, where one just over the limit is a header too large (413)."""
+    if n < _IMPLAUSIBLE_HEADER:
+        return None
+    return InvalidStream(
+        f"the body is not a safetensors stream: its first 8 bytes read as a header length of "
+        f"{n} bytes; {_EXPECTED}"
+    )
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -427,8 +441,12 @@ class StreamParser:
                 return view
             (n,) = struct.unpack("<Q", self._buf)
             if n > self._max_header:
-                raise _foreign_format(bytes(self._buf)) or PayloadTooLarge(
-                    f"header length {n} exceeds the limit of {self._max_header} bytes"
+                raise (
+                    _foreign_format(bytes(self._buf))
+                    or _not_a_length(n)
+                    or PayloadTooLarge(
+                        f"header length {n} exceeds the limit of {self._max_header} bytes"
+                    )
                 )
             if n < 2:
                 raise InvalidStream(f"header length {n} is too small for a JSON object")

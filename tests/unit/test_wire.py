@@ -115,6 +115,9 @@ def _raw_header(obj: object) -> bytes:
     [
         (b"\x01\x02", InvalidStream),  # ends inside the length prefix
         (struct.pack("<Q", 1 << 40), PayloadTooLarge),
+        # another format's first 8 bytes read as a length: no header's (a PNG's, a text's)
+        (b"\x89PNG\r\n\x1a\n" + bytes(8), InvalidStream),
+        (b"hello, world", InvalidStream),
         (struct.pack("<Q", 1), InvalidStream),
         (struct.pack("<Q", 10) + b"{}", InvalidStream),  # ends inside the header
         (struct.pack("<Q", 4) + b"nope", InvalidStream),
@@ -152,6 +155,8 @@ def _raw_header(obj: object) -> bytes:
     ids=[
         "short-prefix",
         "huge-header",
+        "png",
+        "text",
         "tiny-header",
         "ends-in-header",
         "not-json",

@@ -98,16 +98,44 @@ def test_named_under_any_header_limit(name: str) -> None:
         struct.pack("<Q", 1 << 40),  # the length alone
         struct.pack("<Q", 1 << 40) + b'{"w":',
         struct.pack("<Q", LIMIT + 1) + b"{}",
-        b"\xff" * 8 + b"{}",
+        struct.pack("<Q", (1 << 48) - 1) + b"{}",  # the longest header judged a length
         struct.pack("<Q", (1 << 40) + ord("P")) + b"{}",  # starts with "P", not "PK\x03\x04"
         struct.pack("<Q", (1 << 40) + 0x80) + b"{}",  # "\x80" then no pickle protocol
     ],
-    ids=["length-only", "json-follows", "limit-plus-1", "all-ff", "starts-with-P", "starts-0x80"],
+    ids=[
+        "length-only",
+        "json-follows",
+        "limit-plus-1",
+        "2-48-minus-1",
+        "starts-with-P",
+        "starts-0x80",
+    ],
 )
 def test_a_genuine_header_over_the_limit_is_still_413(body: bytes) -> None:
     error = _error(body)
     assert type(error) is PayloadTooLarge
     assert str(error).startswith("header length ")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xff" * 8 + b"{}",
+        struct.pack("<Q", 1 << 48) + b"{}",
+        b"\x89PNG\r\n\x1a\n" + bytes(8),  # no signature of ours: its bytes read as a length
+        b"step,loss\n25,3.1\n",  # a text file
+    ],
+    ids=["all-ff", "2-48", "png", "text"],
+)
+def test_a_length_no_header_has_is_no_safetensors_stream(body: bytes) -> None:
+    """8 bytes that read as a header of 256 TiB or more are not a length: a 400 that says
+    so, not a 413 for a header over the limit."""
+    error = _error(body)
+    assert type(error) is InvalidStream
+    n = int.from_bytes(body[:8], "little")
+    assert str(error).startswith(
+        f"the body is not a safetensors stream: its first 8 bytes read as a header length of {n}"
+    )
 
 
 def test_header_must_start_with_a_brace() -> None:
@@ -156,6 +184,7 @@ def test_a_multipart_form_says_to_send_the_raw_file(start: bytes) -> None:
 
 def test_dashes_in_a_length_prefix_alone_are_no_multipart_form() -> None:
     """A length whose low bytes happen to be ``--`` (0x2d2d) but whose other bytes are no
-    boundary characters is judged as a length, as before."""
+    boundary characters is judged as a length, as before: one no header has."""
     error = _error(b"--\x00\x00\x00\x00\x00\x01" + b"\0" * 64)
-    assert type(error) is PayloadTooLarge
+    assert type(error) is InvalidStream
+    assert "multipart" not in str(error) and "header length of" in str(error)
