@@ -165,7 +165,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return _error(unrouted(path.removeprefix(request.scope.get("root_path", ""))))
         err = InvalidRequest(str(exc.detail))
         err.status = exc.status_code
-        return _error(err)
+        response = _error(err)
+        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110 15.5.6)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
