@@ -57,8 +57,12 @@ PATTERN_RULE = (
 EVERY_RUN: Final = "*"
 
 
-_TOKEN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-TOKEN_NAME_RULE = "use 1-64 of A-Z a-z 0-9 . _ - starting with a letter or digit"
+# digits alone would read as a token's id where a name or an id is taken (a revoke)
+_TOKEN_NAME = re.compile(r"(?![0-9]+\Z)[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+TOKEN_NAME_RULE = (
+    "use 1-64 of A-Z a-z 0-9 . _ - starting with a letter or digit, not digits alone "
+    "(those name a token's id)"
+)
 
 
 @dataclass(frozen=True)

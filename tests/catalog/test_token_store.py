@@ -49,3 +49,25 @@ def test_a_token_for_every_run_is_asked_for_with_a_star(
         assert catalog.tokens.list() == []
     finally:
         catalog.close()
+
+
+def test_a_token_named_by_digits_before_they_were_refused_is_revoked_by_name(
+    database_url: str,
+) -> None:
+    """A name comes first, an id second: the token named "1" (as an older replica let a
+    token be named) is revoked by its name, and the token of id 1 stays in use."""
+    catalog = Catalog(database_url)
+    try:
+        catalog.upgrade()
+        store = catalog.tokens
+        _, first = issue_token(store, "first", "read", "*")
+        digits = store.create(str(first.id), "read", None, hash_token("old"))  # not checked
+        revoked = store.revoke(str(first.id))
+        assert revoked is not None and revoked.id == digits.id
+        assert [t.id for t in store.list()] == [first.id]
+        revoked = store.revoke(str(first.id))  # no name left: the id
+        assert revoked is not None and revoked.id == first.id
+        assert store.list() == []
+        assert store.revoke(str(1 << 63)) is None  # an id no column holds: none
+    finally:
+        catalog.close()

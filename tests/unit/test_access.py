@@ -70,7 +70,8 @@ def test_bad_run_patterns_name_the_rule(bad: str) -> None:
 
 def test_token_names() -> None:
     assert check_token_name("ci-team-a.1") == "ci-team-a.1"
-    for bad in ("", "-x", "a/b", "x" * 65, "two words"):
+    assert check_token_name("7a") == "7a"
+    for bad in ("", "-x", "a/b", "x" * 65, "two words", "7", "0123"):  # digits: an id
         with pytest.raises(InvalidRequest, match="invalid token name"):
             check_token_name(bad)
 

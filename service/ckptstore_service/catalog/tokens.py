@@ -70,16 +70,15 @@ class TokenStore:
             return [_info(row) for row in s.scalars(query)]
 
     def revoke(self, key: str) -> TokenInfo | None:
-        """Revoke the token named ``key`` (or of id ``key``, all digits) unless it is revoked
-        already; the token revoked, or None if no such token was in use."""
-        if key.isascii() and key.isdigit():  # not "³", which isdigit() and int() refuses
-            if int(key) > _MAX_ID:
-                return None  # no row has it, and the database's integers cannot hold it
-            where = Token.id == int(key)
-        else:
-            where = Token.name == key
+        """Revoke the token in use named ``key``, else the one of id ``key`` (ASCII digits);
+        the token revoked, or None if no such token was in use. A name comes first: tokens
+        made before names of digits alone were refused may have one."""
+        in_use = Token.revoked_at.is_(None)
         with self._db.session() as s:
-            row = s.scalar(select(Token).where(where, Token.revoked_at.is_(None)))
+            row = s.scalar(select(Token).where(Token.name == key, in_use))
+            # not "³", which isdigit() takes and int() refuses, nor an id no column holds
+            if row is None and key.isascii() and key.isdigit() and int(key) <= _MAX_ID:
+                row = s.scalar(select(Token).where(Token.id == int(key), in_use))
             if row is None:
                 return None
             s.execute(update(Token).where(Token.id == row.id).values(revoked_at=datetime.now(UTC)))
