@@ -10,7 +10,9 @@ evicted while a reader has it open stays readable to that reader (POSIX unlink s
 Nothing in the folder is trusted across restarts: at start-up the files an earlier process
 left become *orphans*, spare files that any run may overwrite (their pages are likely still in
 the page cache: after a restart, the first load of a run's latest fills its cache file by a
-memcpy instead of a fresh allocation).
+memcpy instead of a fresh allocation). An orphan that was installed keeps its checkpoint id
+(its name said it): :meth:`BaseCache.claim` hands it to the cache policy, which installs it
+again only once every tensor in it matches the catalog's checksum.
 
 Several processes may share the configured folder (replicas scaled out on one volume): each
 takes the first ``slot-<k>`` subfolder whose ``.lock`` it can ``flock`` exclusively and keeps
@@ -87,6 +89,14 @@ def _clear(folder: Path, keep: Callable[[str], bool]) -> None:
             _remove(path)
 
 
+def _installed_id(path: Path) -> int | None:
+    """The checkpoint id an installed file's name (``<id>.bin``) gives, else None."""
+    stem = path.name.removesuffix(".bin")
+    if stem == path.name or not stem.isascii() or not stem.isdigit() or len(stem) > 18:
+        return None
+    return int(stem)
+
+
 def _lock_slot(folder: Path) -> int | None:
     """A descriptor holding ``folder``'s exclusive lock, or None if a live process holds it."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -155,10 +165,29 @@ class BaseCache:
             if path.is_file() and not path.is_symlink():
                 spare = tmp / uuid.uuid4().hex
                 os.replace(path, spare)
-                orphans.append(CachedBase(-1, spare, spare.stat().st_size))
+                # an installed file is named by its checkpoint id: :meth:`claim` may give it
+                # back, for its caller to check against the catalog before trusting it
+                said = _installed_id(path) if path.parent == self.folder else None
+                orphans.append(
+                    CachedBase(-1 if said is None else said, spare, spare.stat().st_size)
+                )
             else:
                 _remove(path)
+        # spares are taken from the end: files that may still be claimed go last
+        orphans.sort(key=lambda o: o.checkpoint_id >= 0, reverse=True)
         return orphans
+
+    def claim(self, checkpoint_id: int) -> Path | None:
+        """The file an earlier process installed for ``checkpoint_id``, if it is still an
+        orphan: a temp path the caller now owns, to :meth:`install` once it has checked the
+        file against the catalog's checksums (nothing here is trusted: a crash may have torn
+        it), or to :meth:`discard`."""
+        with self._lock:
+            for i, orphan in enumerate(self._orphans):
+                if orphan.checkpoint_id == checkpoint_id:
+                    del self._orphans[i]
+                    return orphan.path
+        return None
 
     def close(self) -> None:
         """Release the slot (the files stay, for the next process to recycle)."""
@@ -280,7 +309,7 @@ class BaseCache:
         total += sum(e.size for e in self._spares.values())
         total += sum(e.size for e in self._orphans)
         while total > self.max_bytes and self._orphans:
-            orphan = self._orphans.pop(0)
+            orphan = self._orphans.pop()  # the end first: files no id names
             orphan.path.unlink(missing_ok=True)
             total -= orphan.size
         while total > self.max_bytes and self._spares:

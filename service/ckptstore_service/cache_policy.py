@@ -47,9 +47,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import xxhash
+
 from ckptstore_core.errors import StorageUnavailable
 from ckptstore_service.cache import ANY, BaseCache, open_reader, write_file
-from ckptstore_service.catalog import Catalog, CheckpointRecord
+from ckptstore_service.catalog import Catalog, CheckpointRecord, TensorInfo
 from ckptstore_service.chains import ChainSource, Piece
 from ckptstore_service.metrics import CachePath, Metrics
 from ckptstore_service.storage import BlobSink, Buffer
@@ -57,6 +59,7 @@ from ckptstore_service.storage import BlobSink, Buffer
 __all__ = ["CachePolicy", "SaveFiles"]
 
 log = logging.getLogger("ckptstore")
+_CHECK_BYTES = 4 << 20  # what an adopted file's check reads at once
 
 
 @dataclass
@@ -108,7 +111,41 @@ class CachePolicy:
         """A read-only fd of the cached checkpoint, or None on a miss (a load's lookup, or
         a part's: ``path``). Caller closes it."""
         fd = self.cache.open(run, checkpoint_id)
+        if fd is None:
+            fd = self._adopted(run, checkpoint_id)
         self._metrics.base_cache(path, hit=fd is not None)
+        return fd
+
+    def _adopted(self, run: str, checkpoint_id: int) -> int | None:
+        """A readable fd of the file an earlier process installed for ``checkpoint_id``
+        (after a restart), installed again if every tensor in it matches the catalog's
+        checksum and it is the run's latest; else None (a torn or foreign file is dropped).
+        Checking costs a read and a hash of the file, where a miss decodes its chains."""
+        tmp = self.cache.claim(checkpoint_id)
+        if tmp is None:
+            return None
+        try:
+            tensors = self._catalog.tensors(checkpoint_id)
+            size = max((t.begin + t.nbytes for t in tensors), default=0)
+            exact = _holds(tmp, tensors, size)
+        except BaseException:
+            self.cache.discard(tmp)
+            raise
+        if not exact:
+            log.warning(
+                "%s: the cache file a previous process left for checkpoint %d does not match "
+                "its checksums: dropped, decoded from storage instead",
+                run,
+                checkpoint_id,
+            )
+            self.cache.discard(tmp)
+            return None
+        self._install_if_latest(run, checkpoint_id, tmp, size, None)
+        fd = self.cache.open(run, checkpoint_id)
+        if fd is not None:
+            log.info(
+                "%s: cache file of checkpoint %d kept from a previous process", run, checkpoint_id
+            )
         return fd
 
     @contextlib.contextmanager
@@ -167,7 +204,11 @@ class CachePolicy:
 
     def _rebuild(self, run: str, parent: CheckpointRecord) -> int:
         """Decode the parent from storage into a cache file (a base-cache miss); returns a
-        readable fd of it, installed if the parent is still the run's latest or not."""
+        readable fd of it, installed if the parent is still the run's latest or not. A
+        file an earlier process installed for it, checked, is taken instead."""
+        adopted = self._adopted(run, parent.id)
+        if adopted is not None:
+            return adopted
         tmp = self.cache.new_file(run)
         try:
             self._source.materialize(parent, tmp)
@@ -258,3 +299,19 @@ class CachePolicy:
             self.cache.install(run, checkpoint_id, tmp, size, if_current=if_current)
         else:
             self.cache.discard(tmp)
+
+
+def _holds(path: Path, tensors: Iterable[TensorInfo], size: int) -> bool:
+    """Whether file ``path`` is ``size`` bytes long and holds each of ``tensors`` (its bytes
+    at its place) as its checksum says."""
+    with open(path, "rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size != size:
+            return False
+        for t in tensors:
+            hasher = xxhash.xxh3_128()
+            for off in range(t.begin, t.begin + t.nbytes, _CHECK_BYTES):
+                data = os.pread(f.fileno(), min(_CHECK_BYTES, t.begin + t.nbytes - off), off)
+                hasher.update(data)
+            if hasher.digest() != t.checksum:
+                return False
+    return True

@@ -13,7 +13,7 @@ import torch
 
 from ckptstore import CheckpointClient, CkptStoreError, CorruptData
 from ckptstore_service.names import parse_blob_key
-from support.serviceproc import Service
+from support.serviceproc import Service, forget_cache
 
 ENV = {"CKPTSTORE_CHUNK_BYTES": str(64 << 10)}  # several chunks per tensor
 
@@ -36,6 +36,7 @@ def saved(
         for i, state in enumerate(states):
             client.save("run", i, state)
     svc.stop()
+    forget_cache(data_dir)
     return data_dir, states
 
 
@@ -108,6 +109,7 @@ def saved_big(make_service: Callable[..., Service], tmp_path: Path) -> Path:
     with CheckpointClient(svc.url) as client:
         client.save("big", 0, state)
     svc.stop()
+    forget_cache(data_dir)
     (blob,) = (data_dir / "blobs").rglob("*.blob")
     _flip(blob, blob.stat().st_size * 3 // 4)
     return data_dir

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckptstore import CheckpointClient, CheckpointInfo
 from ckptstore_core import codec
-from support.serviceproc import Service, wait_idle
+from support.serviceproc import Service, forget_cache, wait_idle
 from support.states import assert_same_state, training_states
 from support.waiting import wait_until
 
@@ -73,6 +73,7 @@ def saved(
         wait_idle(svc.url)  # the re-root the last saves set off
         listing = client.list("run")
     svc.stop()
+    forget_cache(data_dir)  # the latest too decodes from storage
     return listing
 
 

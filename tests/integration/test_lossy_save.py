@@ -31,7 +31,7 @@ from ckptstore_core.errors import CkptStoreError
 from ckptstore_core.records import LOSSY_KEY
 from ckptstore_core.wire import FORMAT, encode_header
 from support.bodies import assert_error, assert_nothing_stored, client_body, post, stored_data
-from support.serviceproc import Service, wait_idle
+from support.serviceproc import Service, forget_cache, wait_idle
 from support.states import assert_same_state
 
 # 64 KiB chunks: the first layer's weight (32768 fp32) spans two, its bias stays under
@@ -225,9 +225,11 @@ def test_loads_are_deterministic_and_cold_loads_rebuild_them_or_refuse_corrupt_d
     data = bytearray(blob.read_bytes())
     data[offset + size - 5] ^= 0x01
     blob.write_bytes(bytes(data))
-    # a restarted process: the one before keeps the chunks it decoded (verified then) and
-    # would serve them without reading the blob again
+    # a restarted process without the base cache: the one before keeps the chunks it
+    # decoded (verified then) and would serve them without reading the blob again, and a
+    # restarted one would take back the latest's file (it matches its checksums)
     cold.stop()
+    forget_cache(copied)
     cold = make_service(ENV, copied)
     with CheckpointClient(cold.url, retries=0) as client:
         check_lossy(states[1], client.load("run", 1))  # before the corrupt chunk: fine

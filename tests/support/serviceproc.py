@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -109,6 +110,13 @@ class Service:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def forget_cache(data_dir: Path) -> None:
+    """Delete the base cache a stopped service left in ``data_dir``: the next process there
+    is a replica that never held the files (a restarted one takes back, once checked, the
+    file of a run's latest that it finds: ``CachePolicy``), so its loads decode from storage."""
+    shutil.rmtree(data_dir / "cache", ignore_errors=True)
 
 
 def wait_idle(url: str, timeout: float = 60.0) -> None:
