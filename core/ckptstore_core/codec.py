@@ -54,6 +54,7 @@ transposition run in :mod:`ckptstore_core.planes` (fused numba kernels when inst
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 from collections.abc import Sequence
@@ -154,6 +155,19 @@ def is_delta(codec: str) -> bool:
 
 def checksum(data: Buffer) -> bytes:
     return xxhash.xxh3_128_digest(data)
+
+
+def file_checksum(fd: int, begin: int, size: int, read_bytes: int = 4 << 20) -> bytes | None:
+    """The :func:`checksum` of ``size`` bytes of file ``fd`` at ``begin``, read
+    ``read_bytes`` at a time; None if the file ends before them."""
+    hasher = xxhash.xxh3_128()
+    for off in range(begin, begin + size, read_bytes):
+        n = min(read_bytes, begin + size - off)
+        data = os.pread(fd, n, off)
+        if len(data) != n:
+            return None
+        hasher.update(data)
+    return hasher.digest()
 
 
 def chunk_step(itemsize: int, chunk_bytes: int) -> int:

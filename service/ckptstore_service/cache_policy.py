@@ -47,8 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
-
+from ckptstore_core.codec import file_checksum
 from ckptstore_core.errors import StorageUnavailable
 from ckptstore_service.cache import ANY, BaseCache, open_reader, write_file
 from ckptstore_service.catalog import Catalog, CheckpointRecord, TensorInfo
@@ -59,7 +58,6 @@ from ckptstore_service.storage import BlobSink, Buffer
 __all__ = ["CachePolicy", "SaveFiles"]
 
 log = logging.getLogger("ckptstore")
-_CHECK_BYTES = 4 << 20  # what an adopted file's check reads at once
 
 
 @dataclass
@@ -305,13 +303,7 @@ def _holds(path: Path, tensors: Iterable[TensorInfo], size: int) -> bool:
     """Whether file ``path`` is ``size`` bytes long and holds each of ``tensors`` (its bytes
     at its place) as its checksum says."""
     with open(path, "rb", buffering=0) as f:
-        if os.fstat(f.fileno()).st_size != size:
-            return False
-        for t in tensors:
-            hasher = xxhash.xxh3_128()
-            for off in range(t.begin, t.begin + t.nbytes, _CHECK_BYTES):
-                data = os.pread(f.fileno(), min(_CHECK_BYTES, t.begin + t.nbytes - off), off)
-                hasher.update(data)
-            if hasher.digest() != t.checksum:
-                return False
-    return True
+        fd = f.fileno()
+        return os.fstat(fd).st_size == size and all(
+            file_checksum(fd, t.begin, t.nbytes) == t.checksum for t in tensors
+        )

@@ -41,7 +41,7 @@ from support.blobs import (
 )
 from support.parts import commit, save_in_parts, shards, tensors_of
 from support.s3server import s3_store
-from support.serviceproc import Service, wait_idle
+from support.serviceproc import Service, forget_cache, wait_idle
 from support.states import assert_same_state, training_states
 from support.waiting import wait_until
 
@@ -129,8 +129,7 @@ def test_delete_anywhere_in_a_chain_keeps_the_rest_exact(
     check_run(client, "r", states, [*steps, STEPS])
     # after a restart (no base cache: every load decodes from storage)
     svc.stop()
-    for p in (svc.data_dir / "cache").rglob("*.bin"):
-        p.unlink()
+    forget_cache(svc.data_dir)
     svc.start()
     check_run(client, "r", states, [*steps, STEPS])
 

@@ -21,7 +21,7 @@ import torch
 
 from ckptstore import CheckpointClient
 from support.blobs import blob_files, named_blobs
-from support.serviceproc import Service, wait_idle
+from support.serviceproc import Service, forget_cache, wait_idle
 from support.states import assert_same_state
 from support.waiting import poll
 
@@ -102,8 +102,7 @@ def test_deleting_the_checkpoint_that_stored_a_frozen_tensor_writes_what_it_owns
     assert sum(r.stored_bytes for r in client.runs()) < frozen_bytes + 2 * infos[1].stored_bytes
     # after a restart with the cache emptied, from storage
     svc.stop()
-    for p in (svc.data_dir / "cache").rglob("*.bin"):
-        p.unlink()
+    forget_cache(svc.data_dir)
     svc.start()
     check_exact(client, "lora", steps)
     client.delete_run("lora")

@@ -24,7 +24,7 @@ from ckptstore_core.errors import (
 )
 from support.blobs import blob_files, check_store
 from support.parts import commit, save_in_parts, tensors_of
-from support.serviceproc import Service, wait_idle
+from support.serviceproc import Service, forget_cache, wait_idle
 from support.states import assert_same_state, training_states
 from support.waiting import wait_until
 
@@ -105,8 +105,7 @@ def test_fork_fine_tune_and_delete_the_source(
     assert ft.shared_bytes == 0 and ft.stored_bytes == ft.record.stored_bytes > 0
     # the fork's chains were re-based: a restart without the base cache decodes them
     svc.stop()
-    for p in (svc.data_dir / "cache").rglob("*.bin"):
-        p.unlink()
+    forget_cache(svc.data_dir)
     svc.start()
     check(client, "ft", states, [3, 4, 5])
     client.save("ft", 6, states[6])

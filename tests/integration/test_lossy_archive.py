@@ -23,7 +23,7 @@ from ckptstore_core.lossy import Lossy
 from ckptstore_core.retention import RetentionPolicy
 from ckptstore_service.maintenance.archive import PAUSE_ENV
 from support.blobs import blob_files, catalog_blobs, check_store, collect_all, garbage_blobs
-from support.serviceproc import Service, wait_idle
+from support.serviceproc import Service, forget_cache, wait_idle
 from support.states import assert_same_state, training_states
 from support.waiting import wait_until
 
@@ -112,8 +112,7 @@ def test_lossy_after_converts_exactly_the_old_checkpoints(
 
     # cold: a restart with the base cache emptied gives the very same bytes
     svc.stop()
-    for p in (svc.data_dir / "cache").rglob("*.bin"):
-        p.unlink()
+    forget_cache(svc.data_dir)
     svc.start()
     for step, state in loaded.items():
         assert_same_state(state, client.load("a", step), path=f"a@{step} after a restart")

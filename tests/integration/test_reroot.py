@@ -24,7 +24,7 @@ from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
 from support.blobs import blob_files
 from support.s3server import s3_store
-from support.serviceproc import Service, wait_idle
+from support.serviceproc import Service, forget_cache, wait_idle
 from support.states import assert_same_state, training_states
 
 REROOT = 4
@@ -89,9 +89,7 @@ def test_reroot_keeps_every_checkpoint_and_the_newest_shallow(
         assert sum(files.values()) == stored
     # and after a restart (no base cache: every load decodes from storage)
     svc.stop()
-    for p in (svc.data_dir / "cache").rglob("*"):
-        if p.is_file():
-            p.unlink()
+    forget_cache(svc.data_dir)
     svc.start()
     check_all(client, states, "r")
     # the run goes on: later saves delta against the re-rooted chain

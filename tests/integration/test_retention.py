@@ -19,7 +19,7 @@ from ckptstore.cli import main
 from ckptstore_core.errors import CheckpointNotFound, CheckpointPinned, RunNotFound
 from ckptstore_core.retention import KeepBest, RetentionPolicy
 from support.blobs import blob_files, check_store
-from support.serviceproc import Service, wait_idle
+from support.serviceproc import Service, forget_cache, wait_idle
 from support.states import assert_same_state, training_states
 from support.waiting import wait_until
 
@@ -92,8 +92,7 @@ def test_keep_last_and_every_on_a_thirty_checkpoint_run(
     assert total < before and after_now < after_before / 2
     # a resume from the latest, bit-exact, also after a restart (nothing cached)
     svc.stop()
-    for p in (svc.data_dir / "cache").rglob("*.bin"):
-        p.unlink()
+    forget_cache(svc.data_dir)
     svc.start()
     assert_same_state(states[29], client.load("after"), path="resume")
     info = client.run_info("after")

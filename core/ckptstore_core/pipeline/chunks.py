@@ -6,14 +6,12 @@ is the rows to commit (:class:`Stored`)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-import xxhash
-
+from ckptstore_core import codec
 from ckptstore_core.errors import InternalError
 from ckptstore_core.lossy import LOSSY
 from ckptstore_core.pipeline.budget import Budget
@@ -86,7 +84,7 @@ class ChunkPipeline:
         for i, (t, digest) in enumerate(zip(header.tensors, digests, strict=True)):
             loads = digest
             if i in planner.lossy_tensors:
-                loads = _file_digest(cache_fd, t.begin, t.nbytes)
+                loads = _cache_file_checksum(cache_fd, t.begin, t.nbytes)
             sent = None if loads == digest else digest
             stored.tensors.append(
                 TensorInfo(i, t.name, t.dtype, t.shape, t.begin, t.nbytes, loads, sent)
@@ -94,16 +92,12 @@ class ChunkPipeline:
         return stored
 
 
-def _file_digest(fd: int, begin: int, size: int) -> bytes:
-    """The xxh3-128 of ``size`` bytes of file ``fd`` at ``begin``."""
-    hasher = xxhash.xxh3_128()
-    for off in range(begin, begin + size, _READ_BYTES):
-        n = min(_READ_BYTES, begin + size - off)
-        data = os.pread(fd, n, off)
-        if len(data) != n:
-            raise InternalError("a save's cache file is shorter than the chunks written to it")
-        hasher.update(data)
-    return hasher.digest()
+def _cache_file_checksum(fd: int, begin: int, size: int) -> bytes:
+    """The checksum of ``size`` bytes of the save's cache file ``fd`` at ``begin``."""
+    digest = codec.file_checksum(fd, begin, size, _READ_BYTES)
+    if digest is None:
+        raise InternalError("a save's cache file is shorter than the chunks written to it")
+    return digest
 
 
 def _stored_chunk(
