@@ -13,18 +13,18 @@ ckptstore
     checkpoint, timed. Stored bytes: the sum of ``stored_bytes`` the service reports,
     cross-checked against the blob folder on disk. ``load latest``: the newest checkpoint, warm
     (the service serves it from its base cache). ``load deep``: the checkpoint with the deepest
-    chain after a service restart (the base cache is wiped at start-up, so every chunk is decoded
-    from storage along its chain); the same for the first checkpoint and the one halfway
-    (what each link of a chain costs; each prints its depth). The last saves set off a
-    re-root in the background (the newest checkpoint is 8 deep, 9 with the bf16 copies'
-    link: the chain's full checkpoint moves to its middle, once the run has gone 1 s
-    without a save, so the first checkpoint ends 4-5 deep and the halfway one is the root);
-    the bench waits for it, reports its time apart, and measures the loads and the stored
-    bytes after it. ``load every step``: each checkpoint loaded in order on a fresh replica
-    (cold: a restart wipes the base cache and the decoded chunks kept), then the same loop
-    again (warm), best of ``--repeats`` such sweeps (each step bit-exact). Peak service memory:
-    VmHWM minus VmRSS before the first save (peak reset just before); likewise for the cold
-    load.
+    chain on a fresh replica (a restart with the base cache folder emptied: a restarted process
+    would take back the latest's file, so every chunk is decoded from storage along its chain
+    only without it; bench/resume_restart.py measures that case); the same for the first
+    checkpoint and the one halfway (what each link of a chain costs; each prints its depth). The
+    last saves set off a re-root in the background (the newest checkpoint is 8 deep, 9 with the
+    bf16 copies' link: the chain's full checkpoint moves to its middle, once the run has gone 1
+    s without a save, so the first checkpoint ends 4-5 deep and the halfway one is the root);
+    the bench waits for it, reports its time apart, and measures the loads and the stored bytes
+    after it. ``load every step``: each checkpoint loaded in order on a fresh replica (cold: a
+    restart, the base cache folder emptied, nothing decoded kept), then the same loop again
+    (warm), best of ``--repeats`` such sweeps (each step bit-exact). Peak service memory: VmHWM
+    minus VmRSS before the first save (peak reset just before); likewise for the cold load.
 torch.save+zstd3
     ``torch.save`` into a BytesIO, then zstd level 3 (one thread; and a 2-thread variant);
     load = decompress + ``torch.load(weights_only=False)``, of every checkpoint (the last one's
@@ -84,7 +84,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import models  # noqa: E402
 from ckptstore import CheckpointClient  # noqa: E402
-from support.serviceproc import Service, wait_idle  # noqa: E402
+from support.serviceproc import Service, forget_cache, wait_idle  # noqa: E402
 
 MB = 1e6
 ZSTD1 = "torch.save+zstd3"
@@ -479,10 +479,11 @@ def bench_ckptstore(run: str, ckpts: Checkpoints, workdir: Path, repeats: int) -
 
     def cold_load(step: int) -> tuple[float, int, str | None]:
         """Best wall time, peak service memory growth and any mismatch of loading ``step``
-        right after a restart: a fresh process wipes the base cache, so every chunk is
-        decoded from storage along its chain."""
+        on a fresh replica (restarted, its base cache emptied), so every chunk is decoded
+        from storage along its chain."""
         best, peak, wrong = float("inf"), 0, None
         for _ in range(repeats):
+            forget_cache(data_dir)
             svc = Service(data_dir, env).start()
             try:
                 with CheckpointClient(svc.url, timeout=600) as client:
@@ -563,14 +564,15 @@ def bench_ckptstore(run: str, ckpts: Checkpoints, workdir: Path, repeats: int) -
 def sweeps(
     run: str, ckpts: Checkpoints, data_dir: Path, env: dict[str, str], repeats: int
 ) -> tuple[list[float], list[float], int, str | None]:
-    """Every step loaded in order on a fresh replica (cold: a restart wipes the base cache
-    and the decoded chunks kept), then again on the same replica (warm); each step's best
+    """Every step loaded in order on a fresh replica (cold: a restart with the base cache
+    emptied, nothing decoded kept), then again on the same replica (warm); each step's best
     time of ``repeats`` such sweeps, the service's peak memory growth over a sweep, and the
     first mismatch (None: all bit-exact)."""
     cold = [float("inf")] * len(ckpts)
     warm = list(cold)
     peak, wrong = 0, None
     for _ in range(repeats):
+        forget_cache(data_dir)
         svc = Service(data_dir, env).start()
         try:
             with CheckpointClient(svc.url, timeout=600) as client:

@@ -64,7 +64,7 @@ from ckptstore_core.pipeline import Budget  # noqa: E402
 from ckptstore_service.catalog import Catalog  # noqa: E402
 from ckptstore_service.chains import ChainDecoder, ChainSource, DecodeStats  # noqa: E402
 from ckptstore_service.storage import open_blob_store  # noqa: E402
-from support.serviceproc import Service, wait_idle  # noqa: E402
+from support.serviceproc import Service, forget_cache, wait_idle  # noqa: E402
 
 MB = 1e6
 CHUNK_BYTES = 4 << 20
@@ -230,7 +230,9 @@ def over_http(
     out["load_warm_s"] = 1e9
     for _ in range(repeats):
         for kind in ("load", "get"):
-            svc = svc_factory().start()
+            svc = svc_factory()
+            forget_cache(svc.data_dir)  # cold: a restarted process would take back latest's file
+            svc.start()
             try:
                 with CheckpointClient(svc.url, timeout=600) as client:
                     fn = (
