@@ -264,6 +264,15 @@ class BaseCache:
             entry = self._entries.get(run)
             return None if entry is None else entry.checkpoint_id
 
+    def holds(self, run: str, checkpoint_id: int) -> bool:
+        """Whether ``checkpoint_id`` is cached for ``run``, or an earlier process left a file
+        for it (:meth:`claim`, checked when first asked for)."""
+        with self._lock:
+            entry = self._entries.get(run)
+            if entry is not None and entry.checkpoint_id == checkpoint_id:
+                return True
+            return any(orphan.checkpoint_id == checkpoint_id for orphan in self._orphans)
+
     def install(
         self, run: str, checkpoint_id: int, tmp: Path, size: int, *, if_current: object = ANY
     ) -> None:

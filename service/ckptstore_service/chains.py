@@ -24,7 +24,7 @@ from ckptstore_core.chain import (
 from ckptstore_core.errors import CheckpointNotFound, CorruptData
 from ckptstore_core.pipeline import BaseChunk, Budget
 from ckptstore_service.cache import write_file
-from ckptstore_service.catalog import Catalog, CheckpointRecord, TensorInfo
+from ckptstore_service.catalog import Catalog, CheckpointRecord, ChunkInfo, TensorInfo
 from ckptstore_service.storage import BlobStore
 
 __all__ = [
@@ -69,6 +69,30 @@ class ChainSource:
         verified against its checksum, the chunks checked to tile their tensors. Chains
         start from the links kept decoded; ``keep``: what this decodes is kept too (a load;
         not a base-cache fill, whose file serves the next loads, nor the verifier)."""
+        decoder, chunks = self._decoder(info, tensors, stats, keep)
+        return decoded_ahead(self._pool, decoder, chunks, self._budget.bytes_in_flight)
+
+    def kept(
+        self, info: CheckpointRecord, tensors: list[TensorInfo], stats: DecodeStats
+    ) -> Iterator[Piece] | None:
+        """:meth:`stream` of a load if every chunk of ``tensors`` is kept decoded (a step
+        loaded again: memory, faster than any file, each chunk verified when it was
+        decoded), else None."""
+        if not tensors or self.decoded.nbytes < sum(t.nbytes for t in tensors):
+            return None
+        decoder, chunks = self._decoder(info, tensors, stats, keep=True)
+        if not all(self.decoded.get(decoder.resolve(c)) is not None for c in chunks):
+            return None
+        return decoded_ahead(self._pool, decoder, chunks, self._budget.bytes_in_flight)
+
+    def _decoder(
+        self,
+        info: CheckpointRecord,
+        tensors: list[TensorInfo],
+        stats: DecodeStats | None,
+        keep: bool,
+    ) -> tuple[ChainDecoder, list[ChunkInfo]]:
+        """A decoder of ``info``'s chains and the chunks of ``tensors``, in their order."""
         order = {t.idx: i for i, t in enumerate(tensors)}
         own, closure = self._catalog.chunk_tree(info.id)
         chunks = sorted(
@@ -88,7 +112,7 @@ class ChainSource:
             self._store, closure, 2 * self._budget.bytes_in_flight, stats, self.decoded, keep
         )
         decoder.keep_masters(chunks)
-        return decoded_ahead(self._pool, decoder, chunks, self._budget.bytes_in_flight)
+        return decoder, chunks
 
     def materialize(self, info: CheckpointRecord, path: Path) -> None:
         """Write the checkpoint's raw data section (the base cache layout) to ``path``."""

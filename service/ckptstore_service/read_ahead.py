@@ -117,7 +117,7 @@ class ReadAhead:
             if (
                 step is None
                 or 3 * step.raw_bytes > self._source.decoded.budget
-                or self._cache.current(step.run) == step.id
+                or self._cache.holds(step.run, step.id)
             ):
                 return
             tensors = self._catalog.tensors(step.id)

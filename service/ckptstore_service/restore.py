@@ -1,7 +1,8 @@
 """Load path: resolve ``run/step`` -> decode chains -> verify -> stream safetensors out.
 
-The data comes from the base cache when the checkpoint is cached (``latest`` of an active
-run: no decoding at all) and otherwise from storage: each chunk follows its chain back to a
+The data comes from the chunks kept decoded when they hold them all (a step loaded again,
+``latest`` included: memory), else from the base cache when the checkpoint is cached
+(``latest`` of an active run: no decoding at all), and otherwise from storage: each chunk follows its chain back to a
 self-contained chunk, decodes forward and is verified against its xxh3-128; the chunks are
 checked to tile their tensors, so verified chunks make verified tensors. Chunks are decoded
 in the codec pool, in order, a bounded number ahead of the one being sent. Data from the base
@@ -170,7 +171,12 @@ class Loader:
     def _data(
         self, info: CheckpointRecord, tensors: list[TensorInfo], stats: DecodeStats, fill: bool
     ) -> Iterator[Piece]:
-        """The tensors' bytes, in order, verified."""
+        """The tensors' bytes, in order, verified: from the decoded chunks kept when they
+        hold them all (memory), else from the base-cache file, else decoded from storage."""
+        kept = self._source.kept(info, tensors, stats)
+        if kept is not None:
+            stats.source = "memory"
+            return self._cache.warm_after(info, kept)
         fd = self._cache.open(info.run, info.id)
         if fd is not None:
             return _verified(tensors, _from_cache(fd, tensors))

@@ -89,7 +89,8 @@ def test_a_damaged_base_cache_is_refused(
     make_service: Callable[..., Service], saved: tuple[Path, list[dict[str, Any]]]
 ) -> None:
     data_dir, states = saved
-    svc = make_service(ENV, data_dir)
+    # nothing kept decoded in memory, which would serve the second load without the file
+    svc = make_service({**ENV, "CKPTSTORE_DECODED_CACHE_BYTES": "0"}, data_dir)
     with _client(svc) as client:
         assert torch.equal(client.load("run")["w"], states[-1]["w"])  # decoded, then cached
         (cached,) = (data_dir / "cache").rglob("*.bin")

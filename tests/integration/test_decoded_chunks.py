@@ -18,7 +18,7 @@ from ckptstore import CheckpointClient, CheckpointInfo
 from ckptstore_core import codec
 from support.serviceproc import Service, forget_cache, wait_idle
 from support.states import assert_same_state, training_states
-from support.waiting import wait_until
+from support.waiting import poll, wait_until
 
 STEPS = 6
 ENV = {
@@ -130,6 +130,51 @@ def test_a_budget_smaller_than_a_checkpoint_still_loads_bit_exactly(
         make_service, data_dir, states, {"CKPTSTORE_DECODED_CACHE_BYTES": str(128 << 10)}
     )
     assert cold > 0 and warm > 0
+
+
+def test_latest_loaded_again_comes_from_memory_not_from_its_cache_file(
+    make_service: Callable[..., Service], states: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """The latest that a load decoded is kept like any step: loaded again, it comes from
+    memory (no read of the base-cache file the first load filled, no second hash), so a
+    byte flipped in that file is never read."""
+    data_dir = tmp_path / "data"
+    saved(make_service, data_dir, states)
+    svc = make_service(ENV, data_dir)
+    with CheckpointClient(svc.url) as client:
+        assert_same_state(states[-1], client.load("run"))  # decoded, kept, the file filled
+        (cached,) = wait_until(
+            lambda: list((data_dir / "cache").rglob("*.bin")), what="the cache file"
+        )
+        data = bytearray(cached.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        cached.write_bytes(bytes(data))
+        before = links_decoded(svc)
+        assert_same_state(states[-1], client.load("run"))
+        assert links_decoded(svc) == before
+
+
+def test_the_latest_an_earlier_process_left_a_file_for_is_not_read_ahead(
+    make_service: Callable[..., Service], states: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """After a restart, the step before the latest is loaded first (read-ahead reads the
+    step after a run's first load): the latest is not decoded in the background, since the
+    file the last process left serves it (checked when first asked for)."""
+    data_dir = tmp_path / "data"
+    saved(make_service, data_dir, states)
+    svc = make_service(ENV, data_dir)
+    with CheckpointClient(svc.url) as client:
+        assert_same_state(states[-1], client.load("run"))  # decoded, the file filled
+        wait_until(lambda: list((data_dir / "cache").rglob("*.bin")), what="the cache file")
+    svc.stop()
+    svc = make_service(ENV, data_dir)  # a restart: the file is left, not yet checked
+    with CheckpointClient(svc.url) as client:
+        assert_same_state(states[-2], client.load("run", STEPS - 2))
+        before = links_decoded(svc)
+        # the read-ahead of a step this small ends within a second: none begins in two
+        assert not poll(lambda: counted(svc, "ckptstore_read_ahead_bytes_total"), 2.0)
+        assert_same_state(states[-1], client.load("run"))
+        assert links_decoded(svc) == before  # served from the file
 
 
 @pytest.mark.parametrize("read_ahead", [True, False])
