@@ -145,29 +145,44 @@ def _tensors(state: object) -> list[torch.Tensor]:
     return []
 
 
-@pytest.mark.slow  # waits out the parts' TTL (30 s: what a loaded machine's saves need)
+def sweeping_soon(
+    make_service: Callable[..., Service], service: Service, env: dict[str, str]
+) -> Service:
+    """``service`` restarted on its data with a parts TTL of 1 s, swept every 0.2 s: the
+    uploads it left open are aborted within seconds rather than the TTL a save needs (a
+    TTL this short would abort a save's own uploads under way on a loaded machine)."""
+    service.stop()
+    return make_service(
+        {**env, "CKPTSTORE_PARTS_TTL_S": "1", "CKPTSTORE_SWEEP_INTERVAL_S": "0.2"},
+        service.data_dir,
+    )
+
+
 def test_a_rank_killed_mid_upload_leaves_nothing_and_the_sweep_aborts_its_upload(
     make_service: Callable[..., Service], backends: dict[str, str]
 ) -> None:
     # uploads nobody registered are aborted once their checkpoint would be abandoned
-    env = {**backends, "CKPTSTORE_PARTS_TTL_S": "30", "CKPTSTORE_SWEEP_INTERVAL_S": "0.5"}
-    service = make_service(env)
+    service = make_service(backends)
     w = torch.arange(100_000, dtype=torch.float32)
     with CheckpointClient(service.url, direct=True) as client:
         client.save("killed", 1, {"w": w})
-        # a rank that opened its upload, PUT one part and died before registering
-        base = f"{service.url}/v1/runs/killed/checkpoints/2/parts/rank-0"
-        up = httpx.post(base + "/upload", json={"max_bytes": 20 << 20}).json()
-        assert len(up["urls"]) == -(-(20 << 20) // up["part_size"])
-        upload_key(up["key"], "killed", 2)  # spread, and its time where the sweep reads it
-        put_part(up["urls"][0], bytes(up["part_size"]), 30)  # the upload is open: it took it
-        assert steps(service.url, "killed") == [1]
-        wait_until(lambda: s3_store(backends).list_open_uploads() == [], 60, "the upload aborted")
-        # aborted, not completed: what was PUT never became a blob, its URLs are dead
-        assert not s3_store(backends).exists(up["key"])
-        with pytest.raises(StorageUnavailable):
-            put_part(up["urls"][1], bytes(10), 30)
-        assert steps(service.url, "killed") == [1]
+    # a rank that opened its upload, PUT one part and died before registering
+    base = f"{service.url}/v1/runs/killed/checkpoints/2/parts/rank-0"
+    up = httpx.post(base + "/upload", json={"max_bytes": 20 << 20}).json()
+    assert len(up["urls"]) == -(-(20 << 20) // up["part_size"])
+    upload_key(up["key"], "killed", 2)  # spread, and its time where the sweep reads it
+    put_part(up["urls"][0], bytes(up["part_size"]), 30)  # the upload is open: it took it
+    assert steps(service.url, "killed") == [1]
+    sweeper = sweeping_soon(make_service, service, backends)
+    wait_until(lambda: s3_store(backends).list_open_uploads() == [], 60, "the upload aborted")
+    # aborted, not completed: what was PUT never became a blob, its URLs are dead
+    assert not s3_store(backends).exists(up["key"])
+    with pytest.raises(StorageUnavailable):
+        put_part(up["urls"][1], bytes(10), 30)
+    assert steps(sweeper.url, "killed") == [1]
+    sweeper.stop()
+    service = make_service(backends, service.data_dir)
+    with CheckpointClient(service.url, direct=True) as client:
         client.save("killed", 2, {"w": w + 1})
         assert torch.equal(client.load("killed")["w"], w + 1)
     assert steps(service.url, "killed") == [1, 2]
@@ -210,7 +225,6 @@ def test_a_registration_that_does_not_match_its_upload_or_run_is_refused(
     assert steps(service.url, "liar") == []
 
 
-@pytest.mark.slow  # waits out the parts' TTL (30 s) for the sweep
 def test_an_expired_url_fails_the_save_typed_and_leaves_nothing(
     make_service: Callable[..., Service], checked: tuple[dict[str, str], PresignChecker]
 ) -> None:
@@ -220,12 +234,7 @@ def test_an_expired_url_fails_the_save_typed_and_leaves_nothing(
     save, with fresh URLs, works. S3's clock is moved on past the expiry rather than waited
     for: a URL of ``CKPTSTORE_URL_TTL_S`` 60 s used 61 s "later"."""
     backends, checker = checked
-    env = {
-        **backends,
-        "CKPTSTORE_URL_TTL_S": "60",
-        "CKPTSTORE_PARTS_TTL_S": "30",
-        "CKPTSTORE_SWEEP_INTERVAL_S": "0.5",
-    }
+    env = {**backends, "CKPTSTORE_URL_TTL_S": "60"}
     service = make_service(env)
     store = s3_store(backends)
     w = torch.arange(100_000, dtype=torch.float32)
@@ -248,7 +257,9 @@ def test_an_expired_url_fails_the_save_typed_and_leaves_nothing(
         assert torch.equal(client.load("late")["w"], w)  # latest unchanged
         client.save("late", 2, {"w": w + 1})
         assert torch.equal(client.load("late")["w"], w + 1)
-        wait_until(lambda: store.list_open_uploads() == [], 90, "the upload aborted")
+    assert store.list_open_uploads() == [left]
+    service = sweeping_soon(make_service, service, env)
+    wait_until(lambda: store.list_open_uploads() == [], 60, "the upload aborted")
     assert steps(service.url, "late") == [1, 2]
 
 
