@@ -2,12 +2,12 @@
 
 The data comes from the chunks kept decoded when they hold them all (a step loaded again,
 ``latest`` included: memory), else from the base cache when the checkpoint is cached
-(``latest`` of an active run: no decoding at all), and otherwise from storage: each chunk follows its chain back to a
-self-contained chunk, decodes forward and is verified against its xxh3-128; the chunks are
-checked to tile their tensors, so verified chunks make verified tensors. Chunks are decoded
-in the codec pool, in order, a bounded number ahead of the one being sent. Data from the base
-cache (which has no chunk checksums) is verified tensor by tensor against the checksums
-recorded at save time. The response header carries those checksums
+(``latest`` of an active run: no decoding at all), and otherwise from storage: each chunk
+follows its chain back to a self-contained chunk, decodes forward and is verified against
+its xxh3-128; the chunks are checked to tile their tensors, so verified chunks make verified
+tensors. Chunks are decoded in the codec pool, in order, a bounded number ahead of the one
+being sent. Data from the base cache (which has no chunk checksums) is verified tensor by
+tensor against the checksums recorded at save time. The response header carries those checksums
 (``__metadata__["ckptstore.xxh3_128"]``) so the client can check too.
 
 Corruption found after the response has started can only cut it short, which a client reads
