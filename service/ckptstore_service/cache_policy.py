@@ -157,8 +157,7 @@ class CachePolicy:
         base_fd = new = None
         try:
             if parent is not None:
-                base_fd = self.cache.open(run, parent.id)
-                self._metrics.base_cache("save", hit=base_fd is not None)
+                base_fd = self.open(run, parent.id, "save")
                 if base_fd is None:
                     base_fd = self._rebuild(run, parent)
                 if same_offsets:  # overwritten chunk by chunk, each right after it is read
@@ -202,11 +201,7 @@ class CachePolicy:
 
     def _rebuild(self, run: str, parent: CheckpointRecord) -> int:
         """Decode the parent from storage into a cache file (a base-cache miss); returns a
-        readable fd of it, installed if the parent is still the run's latest or not. A
-        file an earlier process installed for it, checked, is taken instead."""
-        adopted = self._adopted(run, parent.id)
-        if adopted is not None:
-            return adopted
+        readable fd of it, installed if the parent is still the run's latest or not."""
         tmp = self.cache.new_file(run)
         try:
             self._source.materialize(parent, tmp)
