@@ -32,6 +32,7 @@ __all__ = [
     "ChainSource",
     "DecodeStats",
     "DecodedChunks",
+    "LoadChains",
     "Piece",
     "StoredBases",
     "WindowReader",
@@ -69,23 +70,20 @@ class ChainSource:
         verified against its checksum, the chunks checked to tile their tensors. Chains
         start from the links kept decoded; ``keep``: what this decodes is kept too (a load;
         not a base-cache fill, whose file serves the next loads, nor the verifier)."""
-        decoder, chunks = self._decoder(info, tensors, stats, keep)
+        return self.ahead(*self.decoder(info, tensors, stats, keep))
+
+    def ahead(self, decoder: ChainDecoder, chunks: list[ChunkInfo]) -> Iterator[Piece]:
+        """``chunks`` decoded by ``decoder`` in the pool, within the bytes in flight."""
         return decoded_ahead(self._pool, decoder, chunks, self._budget.bytes_in_flight)
 
-    def kept(
+    def load(
         self, info: CheckpointRecord, tensors: list[TensorInfo], stats: DecodeStats
-    ) -> Iterator[Piece] | None:
-        """:meth:`stream` of a load if every chunk of ``tensors`` is kept decoded (a step
-        loaded again: memory, faster than any file, each chunk verified when it was
-        decoded), else None."""
-        if not tensors or self.decoded.nbytes < sum(t.nbytes for t in tensors):
-            return None
-        decoder, chunks = self._decoder(info, tensors, stats, keep=True)
-        if not all(self.decoded.get(decoder.resolve(c)) is not None for c in chunks):
-            return None
-        return decoded_ahead(self._pool, decoder, chunks, self._budget.bytes_in_flight)
+    ) -> LoadChains:
+        """A load's chains, read from the chunks kept decoded when they hold them all, else
+        from storage (keeping what they decode): one decoder, built once, for both."""
+        return LoadChains(self, info, tensors, stats)
 
-    def _decoder(
+    def decoder(
         self,
         info: CheckpointRecord,
         tensors: list[TensorInfo],
@@ -117,6 +115,44 @@ class ChainSource:
     def materialize(self, info: CheckpointRecord, path: Path) -> None:
         """Write the checkpoint's raw data section (the base cache layout) to ``path``."""
         write_file(path, self.stream(info, self._catalog.tensors(info.id)))
+
+
+class LoadChains:
+    """:meth:`ChainSource.load`: a load's chains, the decoder and its chunks built on first
+    use (the catalog's chunk tree and the tiling check, once per load)."""
+
+    def __init__(
+        self,
+        source: ChainSource,
+        info: CheckpointRecord,
+        tensors: list[TensorInfo],
+        stats: DecodeStats,
+    ) -> None:
+        self._source = source
+        self._info = info
+        self._tensors = tensors
+        self._stats = stats
+        self._built: tuple[ChainDecoder, list[ChunkInfo]] | None = None
+
+    def kept(self) -> Iterator[Piece] | None:
+        """:meth:`stream` if every chunk is kept decoded (a step loaded again: memory,
+        faster than any file, each chunk verified when it was decoded), else None."""
+        decoded = self._source.decoded
+        if not self._tensors or decoded.nbytes < sum(t.nbytes for t in self._tensors):
+            return None
+        decoder, chunks = self._decoder()
+        if not all(decoded.get(decoder.resolve(c)) is not None for c in chunks):
+            return None
+        return self.stream()
+
+    def stream(self) -> Iterator[Piece]:
+        """The tensors' bytes, in order, verified; what this decodes is kept."""
+        return self._source.ahead(*self._decoder())
+
+    def _decoder(self) -> tuple[ChainDecoder, list[ChunkInfo]]:
+        if self._built is None:
+            self._built = self._source.decoder(self._info, self._tensors, self._stats, True)
+        return self._built
 
 
 class StoredBases:

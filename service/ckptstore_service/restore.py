@@ -173,7 +173,8 @@ class Loader:
     ) -> Iterator[Piece]:
         """The tensors' bytes, in order, verified: from the decoded chunks kept when they
         hold them all (memory), else from the base-cache file, else decoded from storage."""
-        kept = self._source.kept(info, tensors, stats)
+        chains = self._source.load(info, tensors, stats)
+        kept = chains.kept()
         if kept is not None:
             stats.source = "memory"
             return self._cache.warm_after(info, kept)
@@ -181,7 +182,7 @@ class Loader:
         if fd is not None:
             return _verified(tensors, _from_cache(fd, tensors))
         stats.source = "storage"
-        data = self._source.stream(info, tensors, stats, keep=True)
+        data = chains.stream()
         return self._cache.fill(info, data) if fill else self._cache.warm_after(info, data)
 
 

@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckptstore import CheckpointClient, CheckpointInfo
 from ckptstore_core import codec
+from ckptstore_service.runtime import Runtime
+from ckptstore_service.settings import Settings
 from support.serviceproc import Service, forget_cache, wait_idle
 from support.states import assert_same_state, training_states
 from support.waiting import poll, wait_until
@@ -211,3 +213,34 @@ def test_loads_that_walk_a_run_in_order_find_the_next_step_read_ahead(
         else:
             assert links_decoded(svc) > before
             assert read() == 0
+
+
+def test_a_load_reads_its_checkpoints_chunk_tree_once(
+    make_service: Callable[..., Service], tmp_path: Path, states: list[dict[str, Any]]
+) -> None:
+    """A load that finds some but not all of its chunks kept decoded goes on to decode the
+    rest from storage with the decoder it built to look (one query of the catalog's chunk
+    tree, one tiling check), not a second one."""
+    data = tmp_path / "data"
+    saved(make_service, data, states[:3])
+    rt = Runtime.open(Settings(data_dir=data, chunk_bytes=64 << 10, read_ahead=False))
+    try:
+        trees: list[int] = []
+        tree = rt.catalog.chunk_tree
+
+        def counted_tree(checkpoint_id: int) -> Any:
+            trees.append(checkpoint_id)
+            return tree(checkpoint_id)
+
+        rt.catalog.chunk_tree = counted_tree  # type: ignore[method-assign]
+        for step in (0, 2):
+            trees.clear()
+            served = rt.loader.open("run", step, None)
+            body = b"".join(bytes(piece) for piece in served.body)
+            assert len(body) == served.total_len and trees == [served.info.id]
+        # step 0 kept decoded holds as many bytes as step 2, which shares none of its
+        # chunks' tops: the second load looked at what is kept before decoding
+        stored = rt.catalog.tensors(served.info.id)
+        assert rt.source.decoded.nbytes >= sum(t.nbytes for t in stored)
+    finally:
+        rt.close()
