@@ -9,6 +9,9 @@ STAMP  := $(VENV)/.installed-stamp
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 DATA   ?= ./ckptstore-data
+# pytest workers (pytest-xdist): most tests wait on a child service, a database or a socket
+# for much of their time, so two workers halve the suite's time on two cores
+WORKERS ?= 2
 
 .PHONY: setup serve test test-fast lint bench clean
 
@@ -40,10 +43,10 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy core/ckptstore_core client/ckptstore service/ckptstore_service
 
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(WORKERS) --dist worksteal
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -n $(WORKERS) --dist worksteal -m "not slow"
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'

@@ -19,7 +19,7 @@ import torch
 
 from ckptstore import CheckpointClient
 from support.bodies import stored_data
-from support.serviceproc import Service
+from support.serviceproc import Service, cache_files
 from support.waiting import wait_until
 
 RUN = "fill"
@@ -28,11 +28,6 @@ RUN = "fill"
 def slot(data_dir: Path) -> Path:
     (folder,) = (data_dir / "cache").glob("slot-*")
     return folder
-
-
-def cached(data_dir: Path) -> list[Path]:
-    """The checkpoint files installed (``<checkpoint id>.bin``)."""
-    return sorted(slot(data_dir).glob("*.bin"))
 
 
 def spares(data_dir: Path) -> list[Path]:
@@ -59,7 +54,7 @@ def saved_then_restarted(make_service: Callable[..., Service], data_dir: Path, m
     """:func:`saved`, its file made one no id names (an unfinished fill's), then a fresh
     replica on the same data: its base cache holds nothing, the file is a spare to overwrite."""
     saved(make_service, data_dir, mib)
-    (installed,) = cached(data_dir)
+    (installed,) = cache_files(data_dir)
     installed.rename(slot(data_dir) / "tmp" / "unnamed")
     return make_service(data_dir=data_dir)
 
@@ -69,9 +64,9 @@ def test_a_cold_latest_load_leaves_its_exact_bytes_in_the_cache(
 ) -> None:
     data_dir = tmp_path / "svc"
     svc = saved_then_restarted(make_service, data_dir, 12)  # 3 chunks, several batches
-    assert cached(data_dir) == [] and len(spares(data_dir)) == 1
+    assert cache_files(data_dir) == [] and len(spares(data_dir)) == 1
     data = stored_data(svc, RUN, "latest")  # decoded from storage, copied as it streams
-    (installed,) = wait_until(lambda: cached(data_dir), what="latest installed")
+    (installed,) = wait_until(lambda: cache_files(data_dir), what="latest installed")
     assert installed.read_bytes() == data
     assert spares(data_dir) == []  # the spare was overwritten, not a second file made
     shutil.rmtree(data_dir / "blobs")
@@ -95,9 +90,9 @@ def test_a_latest_load_cut_short_installs_nothing_and_the_next_one_fills(
     # the service finds the client gone at its next send: the fill is abandoned, its file
     # (the spare it was overwriting) deleted, nothing installed
     wait_until(lambda: spares(data_dir) == [], what="the abandoned fill's file deleted")
-    assert cached(data_dir) == []
+    assert cache_files(data_dir) == []
     data = stored_data(svc, RUN, "latest")
-    (installed,) = wait_until(lambda: cached(data_dir), what="latest installed")
+    (installed,) = wait_until(lambda: cache_files(data_dir), what="latest installed")
     assert installed.read_bytes() == data
 
 
@@ -109,7 +104,7 @@ def test_a_restarted_replica_serves_latest_from_the_file_the_last_one_left(
     svc = make_service(data_dir=data_dir)
     (data_dir / "blobs").rename(tmp_path / "blobs-away")  # only the file can serve it now
     assert stored_data(svc, RUN, "latest") == data
-    (installed,) = cached(data_dir)
+    (installed,) = cache_files(data_dir)
     assert installed.read_bytes() == data and spares(data_dir) == []
     (tmp_path / "blobs-away").rename(data_dir / "blobs")
     with CheckpointClient(svc.url) as client:  # the next save diffs against the file
@@ -129,7 +124,7 @@ def test_a_file_left_torn_is_not_trusted(
 ) -> None:
     data_dir = tmp_path / "svc"
     data = saved(make_service, data_dir, 12)
-    (installed,) = cached(data_dir)
+    (installed,) = cache_files(data_dir)
     with open(installed, "r+b") as f:
         if damage == "cut-short":
             f.truncate(len(data) - 4)
@@ -141,5 +136,5 @@ def test_a_file_left_torn_is_not_trusted(
     svc = make_service(data_dir=data_dir)
     assert stored_data(svc, RUN, "latest") == data  # decoded from storage
     assert "does not match its checksums" in svc.log.read_text()
-    (filled,) = wait_until(lambda: cached(data_dir), what="latest installed")
+    (filled,) = wait_until(lambda: cache_files(data_dir), what="latest installed")
     assert filled.read_bytes() == data

@@ -16,7 +16,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from support.parts import commit, dcp_layout, save_in_parts, shards, tensors_of
-from support.serviceproc import Service, forget_cache
+from support.serviceproc import Service, cache_files, forget_cache
 from support.waiting import wait_until
 
 RUN = "dist"
@@ -24,9 +24,7 @@ PARTS = ["rank-0", "rank-1"]
 
 
 def cached(data_dir: Path) -> set[str]:
-    """The checkpoint files the base cache holds (``<checkpoint id>.bin``; spares and fills
-    in progress live in ``tmp/``)."""
-    return {p.name for p in (data_dir / "cache").glob("slot-*/*.bin")}
+    return {p.name for p in cache_files(data_dir)}
 
 
 def cache_counts(http: httpx.Client) -> dict[tuple[str, str], float]:

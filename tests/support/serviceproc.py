@@ -14,7 +14,7 @@ import httpx
 
 from support.waiting import poll, wait_until
 
-__all__ = ["Service", "free_port", "maintenance_runs", "wait_idle"]
+__all__ = ["Service", "cache_files", "forget_cache", "free_port", "maintenance_runs", "wait_idle"]
 
 
 def free_port() -> int:
@@ -117,6 +117,12 @@ def forget_cache(data_dir: Path) -> None:
     is a replica that never held the files (a restarted one takes back, once checked, the
     file of a run's latest that it finds: ``CachePolicy``), so its loads decode from storage."""
     shutil.rmtree(data_dir / "cache", ignore_errors=True)
+
+
+def cache_files(data_dir: Path) -> list[Path]:
+    """The checkpoint files the base cache in ``data_dir`` holds installed
+    (``<checkpoint id>.bin``; spares and fills in progress live in each slot's ``tmp/``)."""
+    return sorted((data_dir / "cache").glob("slot-*/*.bin"))
 
 
 def wait_idle(url: str, timeout: float = 60.0) -> None:
