@@ -137,13 +137,16 @@ class LoadChains:
     def kept(self) -> Iterator[Piece] | None:
         """:meth:`stream` if every chunk is kept decoded (a step loaded again: memory,
         faster than any file, each chunk verified when it was decoded), else None."""
+        return self.stream() if self.all_kept() else None
+
+    def all_kept(self) -> bool:
+        """Whether every chunk is kept decoded (looked at only when the decoded chunks hold
+        at least the tensors' bytes: a load on a fresh replica pays nothing)."""
         decoded = self._source.decoded
         if not self._tensors or decoded.nbytes < sum(t.nbytes for t in self._tensors):
-            return None
+            return False
         decoder, chunks = self._decoder()
-        if not all(decoded.get(decoder.resolve(c)) is not None for c in chunks):
-            return None
-        return self.stream()
+        return all(decoded.get(decoder.resolve(c)) is not None for c in chunks)
 
     def stream(self) -> Iterator[Piece]:
         """The tensors' bytes, in order, verified; what this decodes is kept."""

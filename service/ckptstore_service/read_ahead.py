@@ -14,7 +14,8 @@ loads the latest, which has no next step) and on a walk (two consecutive steps l
 after the other), not after a jump (back, or forward over a step), reads one step ahead,
 one at a time in the process, and only what fits: the step must take at most a third of the
 decoded-chunk budget (the step being used and the one before it stay kept), and must not be
-the run's latest held in the base cache (served from its file already). A load of the step
+the run's latest held in the base cache (served from its file already), nor a step whose
+chunks are all kept decoded already (a sweep done again). A load of the step
 being read ahead waits for the chunks being decoded and decodes the rest itself (the decoded
 chunks' single flight). Errors are logged, never raised: a read-ahead that failed only
 leaves the next load its own decode. ``CKPTSTORE_READ_AHEAD=false`` turns it off.
@@ -29,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ckptstore_service.cache import BaseCache
 from ckptstore_service.catalog import Catalog, CheckpointRecord
-from ckptstore_service.chains import ChainSource
+from ckptstore_service.chains import ChainSource, DecodeStats
 from ckptstore_service.metrics import Metrics
 
 __all__ = ["ReadAhead"]
@@ -120,8 +121,10 @@ class ReadAhead:
                 or self._cache.holds(step.run, step.id)
             ):
                 return
-            tensors = self._catalog.tensors(step.id)
-            for _ in self._source.stream(step, tensors, keep=True):
+            chains = self._source.load(step, self._catalog.tensors(step.id), DecodeStats())
+            if chains.all_kept():
+                return  # a walk loaded again: its next step is in memory already
+            for _ in chains.stream():
                 if self._closing.is_set():
                     return
             self._metrics.read_ahead(step.raw_bytes)

@@ -244,3 +244,27 @@ def test_a_load_reads_its_checkpoints_chunk_tree_once(
         assert rt.source.decoded.nbytes >= sum(t.nbytes for t in stored)
     finally:
         rt.close()
+
+
+def test_a_walk_done_again_reads_nothing_ahead(
+    make_service: Callable[..., Service], tmp_path: Path, states: list[dict[str, Any]]
+) -> None:
+    """A sweep over steps that are all kept decoded (the second of an evaluation's sweeps)
+    finds each next step in memory already: nothing is read ahead, nothing streamed."""
+    data_dir = tmp_path / "data"
+    raw = {c.step: c.raw_bytes for c in saved(make_service, data_dir, states[:4])}
+    svc = make_service(ENV, data_dir)
+
+    def read() -> float:
+        return counted(svc, "ckptstore_read_ahead_bytes_total")
+
+    with CheckpointClient(svc.url) as client:
+        for step in range(3):  # the first load and a walk: 1, 2 and 3 read ahead
+            assert_same_state(states[step], client.load("run", step))
+        first = raw[1] + raw[2] + raw[3]
+        wait_until(lambda: read() == first, 30, "steps 1 to 3 read ahead")
+        before = links_decoded(svc)
+        for step in range(4):  # the same walk again, every step kept
+            assert_same_state(states[step], client.load("run", step))
+        assert links_decoded(svc) == before
+        assert not poll(lambda: read() > first, 2.0)
