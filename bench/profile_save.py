@@ -1,6 +1,7 @@
 """Where a save's time goes: a per-stage breakdown of ckptstore's saves on the bench's runs.
 
     .venv/bin/python bench/profile_save.py [--quick] [--runs ...] [--json out.json]
+        [--in-process]
 
 The checkpoints are bench.py's (bench/models.py, the same training runs), kept in
 ``--cache`` (default ``/tmp/ckptstore-profile-cache``) after the first training, so that a
@@ -37,6 +38,10 @@ blob write                   stored bytes to the blob's temp file (O_DIRECT)
 fsync                        the blob's fsync and its folder's
 commit                       the catalog transaction (rows, ``committed``)
 ===========================  ====================================================
+
+``--in-process`` also runs the same saves through the service's save path alone
+(``Saver.ingest`` in this process, uninstrumented: no HTTP, no client), and prints its
+wall and CPU against the baseline: what no receive path or client could beat.
 
 Nothing here is a pass/fail target: bench.py measures the speed against torch.save + zstd.
 """
@@ -345,6 +350,44 @@ def torch_zstd_s(ckpts: list[tuple[int, Any]]) -> float:
     return total
 
 
+def in_process(name: str, ckpts: list[tuple[int, Any]], workdir: Path) -> dict[str, Any]:
+    """The service's save path alone (``Saver.ingest`` in this process, uninstrumented, the
+    bench's settings): no HTTP, no client, each body built in memory first in the client's
+    own pieces. Its wall and this process's CPU over the saves are what a save costs
+    with no transport at all: the ceiling for any receive path."""
+    from ckptstore import state as state_mod
+    from ckptstore.transport import PIECE
+    from ckptstore_core.wire import FORMAT, encode_header
+    from ckptstore_service.runtime import Runtime
+    from ckptstore_service.settings import Settings
+
+    depth = max(16, len(ckpts) + 1)
+    settings = Settings(
+        data_dir=workdir / f"{name}-in-process", keyframe_interval=depth, max_chain_depth=depth
+    )
+    rt = Runtime.open(settings)
+    wall = cpu = 0.0
+    raw = 0
+    try:
+        for step, state in ckpts:
+            flat = state_mod.flatten(state)
+            ordered = state_mod.upload_order(flat.tensors)
+            specs = [(n, state_mod.dtype_to_wire(t.dtype), tuple(t.shape)) for n, t in ordered]
+            prefix, header = encode_header(specs, {"format": FORMAT, "skeleton": flat.skeleton})
+            body: list[bytes | memoryview] = [prefix]
+            for _, t in ordered:
+                data = state_mod.tensor_bytes(t)
+                body += [data[o : o + PIECE] for o in range(0, len(data), PIECE)]
+            c0, t0 = time.process_time(), time.perf_counter()
+            rt.saver.ingest(name, step, iter(body), header.total_len)
+            wall += time.perf_counter() - t0
+            cpu += time.process_time() - c0
+            raw += header.total_len
+    finally:
+        rt.close()
+    return {"wall_s": wall, "cpu_s": cpu, "raw_bytes": raw}
+
+
 def _cpu(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -407,6 +450,14 @@ def report(name: str, r: dict[str, Any]) -> None:
         f"{s['finish']:.2f} + commit {s['commit']:.2f}; the rest (client send before the "
         f"body's first byte, lock, answer) {r['save_s'] - s['total'] - c.get('flatten', 0):.2f} s"
     )
+    if "in_process" in r:
+        ip = r["in_process"]
+        print(
+            f"  the save path alone, in process (no HTTP, no client): {ip['wall_s']:.2f} s "
+            f"wall ({z / ip['wall_s']:.2f}x torch.save+zstd3), {ip['cpu_s']:.2f} s CPU "
+            f"({ip['cpu_s'] / (ip['raw_bytes'] / 1e9):.2f} core-s/GB; on 2 cores kept busy "
+            f"throughout, {ip['cpu_s'] / 2:.2f} s: {z / (ip['cpu_s'] / 2):.2f}x)"
+        )
     table = stage_table(r)
     total = sum(v for _, v in table)
     print(f"  service CPU by stage (thread-seconds; {total / gb:.2f} core-s/GB):")
@@ -450,6 +501,11 @@ def main() -> None:
         "--cache", type=Path, default=Path(tempfile.gettempdir()) / "ckptstore-profile-cache"
     )
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="also the save path alone in this process (no HTTP, no client)",
+    )
     args = p.parse_args()
     torch.set_num_threads(2)
     n = args.checkpoints or (8 if args.quick else 9)
@@ -462,6 +518,8 @@ def main() -> None:
             log(f"{name}: saves")
             results[name] = profile_run(name, ckpts, workdir)
             results[name]["torch_zstd3_s"] = torch_zstd_s(ckpts)
+            if args.in_process:
+                results[name]["in_process"] = in_process(name, ckpts, workdir)
             report(name, results[name])
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
