@@ -24,7 +24,11 @@ parent that is corrupt or cannot be read, a DCP part of another world size: othe
 Memory: the pipeline's budget, ``2 * workers + 2`` chunks in flight (with the default
 4 MiB chunks and 2 workers, 24 MiB), plus the pieces queued for the socket (and a read
 base's: one tensor and the decoder's read-ahead, as a direct load's); disk: one raw copy
-of what was last saved, loaded or read per run (the newest ``keep_runs`` runs).
+of what was last saved, loaded or read per run (the newest ``keep_runs`` runs), in a
+folder of the system's temporary directory (:class:`BasesFolder`) that the writer holds a
+lock on: a writer that dies without cleaning up (SIGKILL, ``os._exit``, a node's OOM
+killer: a crash is what checkpoints are for) leaves that copy behind, and the next writer
+on the machine removes every such folder whose lock no live process holds.
 
 **Part PUTs straight to S3** (``_PartUploader``): each one is retried by itself, to the same
 presigned URL with the same bytes, when the store answers what S3 documents as retriable
@@ -44,16 +48,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import http.client
 import logging
 import os
 import queue
 import random
+import shutil
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -89,17 +96,20 @@ from ckptstore_core.pipeline import (
 from ckptstore_core.wire import Header, TensorPiece, encode_header
 
 __all__ = [
+    "BASES_PREFIX",
     "PUT_ATTEMPTS",
     "PUT_BACKOFF_MAX_S",
     "PUT_BACKOFF_S",
     "READ_BASES",
     "READ_LIMIT",
     "BaseFile",
+    "BasesFolder",
     "DirectWriter",
     "LoadedBase",
     "Sent",
     "pieces_of",
     "put_part",
+    "remove_orphans",
     "shared_writer",
     "tensor_pieces",
 ]
@@ -123,7 +133,6 @@ READ_BASES = True
 READ_LIMIT = 1.5
 #: The store's answers to a part PUT that are retried (S3's retriable errors).
 _RETRIED_STATUS = frozenset({500, 502, 503, 504})
-logger = logging.getLogger("ckptstore")
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,63 @@ class BaseFile:
 
     path: str
     tensors: tuple[TensorInfo, ...]
+
+
+BASES_PREFIX = "ckptstore-bases-"  # a writer's folder in the temporary directory
+_OWNER = "owner.lock"  # in it, locked by the writer's process while it lives
+
+
+class BasesFolder:
+    """A writer's folder for its base files in the system's temporary directory (``root``),
+    locked (``flock`` on its ``owner.lock``) by this process until :meth:`cleanup` or the
+    process's end. Opening one first removes the folders whose lock no process holds
+    (:func:`remove_orphans`): their writer died without cleaning up."""
+
+    def __init__(self, root: str | None = None) -> None:
+        root = root or tempfile.gettempdir()
+        remove_orphans(root)
+        self.name = tempfile.mkdtemp(prefix=BASES_PREFIX, dir=root)
+        # locked before it takes the name a sweep looks for: no sweep ever finds it free
+        fd, locking = tempfile.mkstemp(dir=self.name)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(locking, os.path.join(self.name, _OWNER))
+        self._finalizer = weakref.finalize(self, _remove_owned, self.name, fd)
+
+    def cleanup(self) -> None:
+        self._finalizer()
+
+
+def _remove_owned(path: str, lock_fd: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.close(lock_fd)  # after: a sweep must not find the folder free while it is removed
+
+
+def remove_orphans(root: str) -> list[str]:
+    """Remove the writers' folders in ``root`` whose ``owner.lock`` no process holds (a
+    folder without one, or that this user cannot open, is left alone); returns them."""
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(BASES_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            fd = os.open(os.path.join(entry.path, _OWNER), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its writer is alive
+        else:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+            log.info("removed %s: the base files of a writer that died", entry.path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 class DirectWriter:
@@ -170,7 +236,7 @@ class DirectWriter:
         self._workers = workers or min(4, os.cpu_count() or 2)
         self._put_retries = (put_attempts, put_backoff)
         self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="ckptstore-encode")
-        self._dir = tempfile.TemporaryDirectory(prefix="ckptstore-bases-")
+        self._dir = BasesFolder()
         self._bases: OrderedDict[tuple[str, str], BaseFile] = OrderedDict()
         self._keep = keep_runs
         self._lock = threading.Lock()
@@ -663,7 +729,7 @@ def put_part(
             raise RetriedOut(str(error)) from error.__cause__
         if stop is not None and stop.is_set():
             raise error
-        logger.warning(
+        log.warning(
             "%s (part %s); retrying in %.1f s (retry %d of %d)",
             error, _part_number(url), delay, n + 1, attempts - 1,
         )  # fmt: skip
