@@ -356,7 +356,7 @@ def in_process(name: str, ckpts: list[tuple[int, Any]], workdir: Path) -> dict[s
     own pieces. Its wall and this process's CPU over the saves are what a save costs
     with no transport at all: the ceiling for any receive path."""
     from ckptstore import state as state_mod
-    from ckptstore.transport import PIECE
+    from ckptstore.client import save_body
     from ckptstore_core.wire import FORMAT, encode_header
     from ckptstore_service.runtime import Runtime
     from ckptstore_service.settings import Settings
@@ -374,10 +374,7 @@ def in_process(name: str, ckpts: list[tuple[int, Any]], workdir: Path) -> dict[s
             ordered = state_mod.upload_order(flat.tensors)
             specs = [(n, state_mod.dtype_to_wire(t.dtype), tuple(t.shape)) for n, t in ordered]
             prefix, header = encode_header(specs, {"format": FORMAT, "skeleton": flat.skeleton})
-            body: list[bytes | memoryview] = [prefix]
-            for _, t in ordered:
-                data = state_mod.tensor_bytes(t)
-                body += [data[o : o + PIECE] for o in range(0, len(data), PIECE)]
+            body = list(save_body(prefix, (t for _, t in ordered)))
             c0, t0 = time.process_time(), time.perf_counter()
             rt.saver.ingest(name, step, iter(body), header.total_len)
             wall += time.perf_counter() - t0

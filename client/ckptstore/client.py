@@ -24,7 +24,7 @@ import json
 import logging
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
@@ -66,7 +66,14 @@ if TYPE_CHECKING:
     from ckptstore.staging import AsyncSaver
     from ckptstore.state import FlatState
 
-__all__ = ["DEFAULT_URL", "CheckpointClient", "CheckpointInfo", "RunInfo", "fetch_tensors"]
+__all__ = [
+    "DEFAULT_URL",
+    "CheckpointClient",
+    "CheckpointInfo",
+    "RunInfo",
+    "fetch_tensors",
+    "save_body",
+]
 
 logger = logging.getLogger("ckptstore")
 
@@ -433,7 +440,7 @@ class CheckpointClient:
         the user's ``metadata`` (encoded JSON), the ``lossy`` parameters asked for (JSON,
         :func:`lossy_text`) and the parameter ``names`` (JSON,
         :func:`ckptstore.state.param_names`), retrying as configured."""
-        from ckptstore.state import dtype_to_wire, tensor_bytes, upload_order
+        from ckptstore.state import dtype_to_wire, upload_order
 
         ordered = upload_order(flat.tensors)
         specs = [(name, dtype_to_wire(t.dtype), tuple(t.shape)) for name, t in ordered]
@@ -451,18 +458,12 @@ class CheckpointClient:
         prefix, header = encode_header(specs, stored)
         show = self.progress if progress is None else progress
 
-        def body() -> Iterator[memoryview | bytes]:
-            yield prefix
-            for _, tensor in ordered:
-                data = tensor_bytes(tensor)
-                for off in range(0, len(data), PIECE):
-                    yield data[off : off + PIECE]
-
         def attempt() -> CheckpointInfo:
             bar = Progress(show, header.total_len, f"save {run}/{step}")
+            body = save_body(prefix, (t for _, t in ordered))
             try:
                 payload = self.transport.post(
-                    checkpoint_path(run, step), body(), header.total_len, bar.update
+                    checkpoint_path(run, step), body, header.total_len, bar.update
                 )
             finally:
                 bar.close()
@@ -604,3 +605,16 @@ def _download(
         if response.read(1):
             raise InvalidStream("response is longer than its header says")
     return header, buffers, served
+
+
+def save_body(prefix: bytes, tensors: Iterable[torch.Tensor]) -> Iterator[memoryview | bytes]:
+    """A save's request body: the header's bytes (``prefix``, from ``encode_header``), then
+    each tensor's bytes in pieces of at most :data:`~ckptstore.transport.PIECE` bytes (views
+    of the tensors, no copy)."""
+    from ckptstore.state import tensor_bytes
+
+    yield prefix
+    for tensor in tensors:
+        data = tensor_bytes(tensor)
+        for off in range(0, len(data), PIECE):
+            yield data[off : off + PIECE]
