@@ -9,9 +9,12 @@ STAMP  := $(VENV)/.installed-stamp
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 DATA   ?= ./ckptstore-data
-# pytest workers (pytest-xdist): most tests wait on a child service, a database or a socket
-# for much of their time, so two workers halve the suite's time on two cores
-WORKERS ?= 2
+# pytest workers (pytest-xdist): most tests wait on a child service, a database or a socket,
+# so WORKERS=2 takes ~14 minutes on two cores against ~20; but a timing test failed once in
+# five such runs (an S3 deadline test, its bound overrun under the other worker's load), so
+# the default stays one test at a time (docs/testing.md)
+WORKERS ?= 1
+XDIST  := $(if $(filter-out 1,$(WORKERS)),-n $(WORKERS) --dist worksteal)
 
 .PHONY: setup serve test test-fast lint bench clean
 
@@ -43,10 +46,10 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy core/ckptstore_core client/ckptstore service/ckptstore_service
 
 test: lint
-	$(PY) -m pytest -n $(WORKERS) --dist worksteal
+	$(PY) -m pytest $(XDIST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -n $(WORKERS) --dist worksteal -m "not slow"
+	$(PY) -m pytest $(XDIST) -m "not slow"
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
