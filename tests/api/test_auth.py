@@ -349,6 +349,7 @@ def test_revoking_a_token_that_no_key_names_is_a_404(
         assert http.get("/v1/tokens").json()["tokens"] == before  # nothing revoked
 
 
+@pytest.mark.timing
 def test_the_client_raises_the_typed_errors_at_once(svc: Service, tokens: dict[str, str]) -> None:
     # retried, these would take >= 30 s (backoff 10 s)
     started = time.monotonic()

@@ -301,6 +301,7 @@ def test_content_length_smaller_than_header_says(service: Service) -> None:
     assert_nothing_stored(service, "cl-short")
 
 
+@pytest.mark.timing
 def test_rejection_does_not_wait_for_a_body_that_never_comes(service: Service) -> None:
     """The client sends part of what its Content-Length announces, then waits for the answer.
 

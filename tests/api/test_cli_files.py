@@ -199,6 +199,7 @@ def test_failures_leave_files_and_the_store_as_they_were(
     assert ".safetensors" in capsys.readouterr().err
 
 
+@pytest.mark.timing
 def test_an_unreachable_service_is_reported_at_once() -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     t0 = time.perf_counter()

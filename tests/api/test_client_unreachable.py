@@ -42,6 +42,7 @@ def test_service_down_at_the_first_call() -> None:
             client.runs()
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("from_env", [False, True])
 def test_a_url_where_nothing_listens_fails_within_seconds(
     from_env: bool, monkeypatch: pytest.MonkeyPatch

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+import pytest
 import torch
 
 from ckptstore import CheckpointClient
@@ -26,6 +27,8 @@ from support.bodies import (
 )
 from support.serviceproc import Service
 from support.waiting import wait_until
+
+pytestmark = pytest.mark.timing  # each test waits out a timeout and bounds how long
 
 LIMITS = {
     "CKPTSTORE_UPLOAD_IDLE_TIMEOUT_S": "1.5",

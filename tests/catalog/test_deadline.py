@@ -24,6 +24,8 @@ from ckptstore_service.catalog.deadline import NO_DEADLINE, WATCHDOG, Watchdog
 from support.faultproxy import FaultProxy
 from support.waiting import wait_until
 
+pytestmark = pytest.mark.timing
+
 TIMEOUT_S = 0.5
 CONNECT_S = 2  # libpq's smallest connect_timeout, which the database is given
 SLACK_S = 1.5  # a loaded 2-core machine

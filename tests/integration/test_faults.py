@@ -49,7 +49,7 @@ from support.serviceproc import Service
 from support.states import assert_same_state
 from support.waiting import wait_until
 
-pytestmark = [pytest.mark.postgres, pytest.mark.s3]
+pytestmark = [pytest.mark.postgres, pytest.mark.s3, pytest.mark.timing]
 
 CONNECT_S, READ_S, DEADLINE_S, READINESS_S = 0.5, 1.0, 3.0, 0.5
 # docs/deployment.md: a stalled store fails a request within about max(deadline, connect +

@@ -23,7 +23,7 @@ from support.serviceproc import Service
 from support.states import assert_same_state
 from support.waiting import wait_until
 
-pytestmark = pytest.mark.s3
+pytestmark = [pytest.mark.s3, pytest.mark.timing]
 
 DEADLINE_S, READINESS_S = 2.5, 0.5
 # connect 0.5 + read 1.0 per attempt, 2.5 s per request; a save also cleans up (probe

@@ -68,6 +68,7 @@ def _connections(pg_url: str) -> int:
 ONE_ADDRESS_MANY_CLIENTS = {"CKPTSTORE_MAX_UPLOADS_PER_CLIENT": "64"}
 
 
+@pytest.mark.timing
 def test_uploads_in_progress_do_not_starve_other_requests(
     make_service: Callable[..., Service], pg_url: str
 ) -> None:

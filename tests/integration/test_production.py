@@ -81,6 +81,7 @@ def test_parallel_posts_to_one_run_are_serialized(
         c.close()
 
 
+@pytest.mark.timing
 def test_other_runs_proceed_while_one_upload_holds_its_run(
     make_service: Callable[..., Service], backends: dict[str, str]
 ) -> None:

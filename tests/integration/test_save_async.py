@@ -275,6 +275,7 @@ def test_accelerator_tensors_are_staged_to_host_buffers_bit_for_bit() -> None:
 # ------------------------------------------------------------------------------- errors
 
 
+@pytest.mark.timing
 def test_service_down_the_error_is_on_the_future_and_training_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -163,6 +163,7 @@ def test_abort_stale_uploads(s3_endpoint: str) -> None:
     assert [u["Key"] for u in others] == ["elsewhere/x"]
 
 
+@pytest.mark.timing
 def test_unreachable_endpoint_fails_fast() -> None:
     t0 = time.monotonic()
     store = S3BlobStore(

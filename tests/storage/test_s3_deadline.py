@@ -19,7 +19,7 @@ from ckptstore_service.storage.s3 import MIN_PART_SIZE, S3BlobStore
 from support.faultproxy import FaultProxy
 from support.s3server import fake_aws_credentials, frozen
 
-pytestmark = pytest.mark.s3
+pytestmark = [pytest.mark.s3, pytest.mark.timing]
 
 CONNECT_S, READ_S, DEADLINE_S, PROBE_S = 0.5, 1.0, 2.5, 0.5
 # A stalled operation fails within max(deadline, connect + read) plus a short back-off and

@@ -148,6 +148,7 @@ def test_the_attempts_are_bounded_then_storage_unavailable(store: Store) -> None
     assert len(store.bodies) == 4
 
 
+@pytest.mark.timing
 def test_a_store_that_is_down_is_retried_then_storage_unavailable() -> None:
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
