@@ -303,10 +303,8 @@ def _pack_planes(
     """For each mode, its residual's byte planes (``split``), each stored the smallest way
     it is allowed (``kinds`` per plane; every way if None): zstd, sparse, or raw when neither
     gets below ``gain`` x its size. Returns (mode, total size, the planes as stored).
-    Each compression is one ``compress`` on the thread's context (``multi_compress_to_buffer``
-    sets up a fresh context per call: ~25 us, 12% of bench/'s encode time). This runs for
-    every chunk, holding the GIL between its kernels: sizes are plain ints, compared in plain
-    loops."""
+    This runs for every chunk, holding the GIL between its kernels: sizes are plain ints,
+    compared in plain loops, and the planes are compressed in one call (:func:`_compress`)."""
     jobs: list[Buffer] = []
     # per plane: its zstd job, its sparse header and the sparse stream's job (-1: none)
     slots: list[tuple[int, bytes | None, int]] = []
@@ -328,8 +326,7 @@ def _pack_planes(
                     s = len(jobs)
                     jobs.append(stream.data)
             slots.append((z, head, s))
-    cctx = _cctx(level)
-    frames = [cctx.compress(data) for data in jobs]
+    frames = _compress(jobs, level)
     out = []
     k = 0
     for m in split:
@@ -352,6 +349,23 @@ def _pack_planes(
             total += best.size
         out.append((m, total, stored))
     return out
+
+
+def _compress(jobs: list[Buffer], level: int) -> Sequence[Buffer]:
+    """Each of ``jobs`` as one zstd frame, all in one call on the thread's context.
+
+    One call releases the GIL once for all of a chunk's planes (a chunk's mode trials are
+    12-16 planes of 8 KiB): each release is a hand-off, and taking the GIL back waits for
+    whatever Python another thread runs. With two codec threads, one ``compress`` per plane
+    cost the bench's fine-tune chunks 3.25 core-s per GB of encode, one call 3.05
+    (docs/benchmarks.md). The frames are byte for byte those of ``compress``, each in a
+    buffer of its exact size."""
+    cctx = _cctx(level)
+    if len(jobs) < 2:
+        return [cctx.compress(data) for data in jobs]
+    frames = cctx.multi_compress_to_buffer(jobs)
+    # a BufferSegment exports the buffer protocol (its stub does not say so)
+    return [memoryview(frames[i]) for i in range(len(jobs))]  # type: ignore[arg-type]
 
 
 def _best(tries: list[_Packed], min_gain: float) -> _Packed:

@@ -454,3 +454,24 @@ def test_chunks_too_short_for_planes_are_stored_raw_as_planes_would_be(
     monkeypatch.setattr(codec, "_MIN_FRAME", 0)
     planned = [codec.encode_chunk(c, None, itemsize) for c in chunks]
     assert [(e.codec, e.payload) for e in short] == [(e.codec, e.payload) for e in planned]
+
+
+def test_planes_compressed_in_one_call_are_the_frames_of_compress_one_by_one() -> None:
+    """A chunk's planes go to zstd in one call: its frames must be exactly those of one
+    ``compress`` each (the stored bytes of every checkpoint depend on it), and outlive the
+    call's own buffer."""
+    rng = np.random.default_rng(7)
+    values = (rng.standard_normal(1 << 16) * 1e-3).astype(np.float32)
+    planes_ = [np.ascontiguousarray(values.view(np.uint8)[i::4]) for i in range(4)]
+    jobs = [p.data for p in planes_] + [b"", bytes(1000), rng.bytes(3000)]
+    level = 1
+    frames = codec._compress(jobs, level)
+    one_by_one = [codec._cctx(level).compress(job) for job in jobs]
+    assert [bytes(f) for f in frames] == one_by_one
+    del jobs, planes_
+    dctx = zstandard.ZstdDecompressor()
+    assert dctx.decompress(frames[5]) == bytes(1000)
+    # one job: one compress
+    assert [bytes(f) for f in codec._compress([b"abc"], level)] == [
+        codec._cctx(level).compress(b"abc")
+    ]
