@@ -32,6 +32,7 @@ __all__ = [
     "compact",
     "compact_numpy",
     "element_runs",
+    "equal",
     "element_runs_numpy",
     "join",
     "join_numpy",
@@ -40,6 +41,8 @@ __all__ = [
     "round_bf16",
     "round_bf16_numpy",
     "scale",
+    "scale_factor",
+    "scale_factor_numpy",
     "scale_numpy",
     "sparse_pack",
     "sparse_pack_numpy",
@@ -180,6 +183,8 @@ def join_runs_numpy(
     join_numpy(list(full), out, mode)
 
 
+_F32_EXPONENT = 0x7F800000
+_F32_ONE = 0x3F800000
 _F32_MIN = np.float32(np.finfo(np.float32).tiny)  # smallest normal
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 
@@ -192,6 +197,31 @@ def scale_numpy(values: np.ndarray, factor: int) -> None:
         a, ap = np.abs(f), np.abs(product)
         ok = (a >= _F32_MIN) & (a <= _F32_MAX) & (ap >= _F32_MIN) & (ap <= _F32_MAX)
     np.copyto(f, product, where=ok)
+
+
+def _normal_numpy(bits: np.ndarray) -> np.ndarray:
+    exponent = bits & np.uint32(_F32_EXPONENT)
+    out: np.ndarray = (exponent != 0) & (exponent != _F32_EXPONENT)
+    return out
+
+
+def scale_factor_numpy(
+    raw: np.ndarray, base: np.ndarray, stride: int, width: float, at_least: int, share: int
+) -> int | None:
+    r, b = raw[::stride], base[::stride]
+    ok = _normal_numpy(r) & _normal_numpy(b)
+    q = np.sort(r[ok].view("<f4").astype(np.float64) / b[ok].view("<f4"))
+    if len(q) < at_least:
+        return None
+    # the densest window of ratios [q, q * (1 + width)]
+    counts = np.searchsorted(q, q * (1 + width), "right") - np.arange(len(q))
+    i = int(np.argmax(counts))
+    if counts[i] < max(at_least, len(q) // share):
+        return None
+    bits = np.array([np.median(q[i : i + counts[i]])], "<f4").view("<u4")
+    if bits[0] == _F32_ONE or not _normal_numpy(bits)[0]:
+        return None  # 1 is zsub; the factor must be a normal number
+    return int(bits[0])
 
 
 def round_bf16_numpy(values: np.ndarray) -> np.ndarray:
@@ -440,6 +470,45 @@ def _scale_kernel(values: Any, factor: Any, lo: Any, hi: Any) -> None:  # pragma
         values[i] = p if ok else x
 
 
+def _scale_factor_kernel(  # pragma: no cover - jit
+    raw: Any, base: Any, rf: Any, bf: Any, stride: int, width: float, at_least: int, share: int
+) -> Any:
+    # scale_factor_numpy's steps, the same float64 operations in the same order; -1: none
+    n = raw.shape[0]
+    q = np.empty((n + stride - 1) // stride, np.float64)
+    c = 0
+    e = np.uint32(0x7F800000)
+    for i in range(0, n, stride):
+        x, y = raw[i] & e, base[i] & e
+        if x != 0 and x != e and y != 0 and y != e:
+            q[c] = np.float64(rf[i]) / np.float64(bf[i])
+            c += 1
+    if c < at_least:
+        return -1
+    q = np.sort(q[:c])
+    counts = np.searchsorted(q, q * (1 + width), side="right") - np.arange(c)
+    j = np.argmax(counts)
+    if counts[j] < max(at_least, c // share):
+        return -1
+    bits = np.array([np.median(q[j : j + counts[j]])], np.float32).view(np.uint32)[0]
+    x = bits & e
+    if bits == np.uint32(0x3F800000) or x == 0 or x == e:
+        return -1
+    return np.int64(bits)
+
+
+def _equal_kernel(a: Any, b: Any) -> bool:  # pragma: no cover - jit
+    # 4 KiB at a time, stopping at the first that differs
+    n = a.shape[0]
+    for start in range(0, n, 512):
+        same = True
+        for i in range(start, min(start + 512, n)):  # vectorizes
+            same &= a[i] == b[i]
+        if not same:
+            return False
+    return True
+
+
 def _bf16_kernel(values: Any, out: Any) -> None:  # pragma: no cover - jit
     for i in range(values.shape[0]):
         v = values[i]
@@ -470,6 +539,8 @@ def _compile() -> tuple[Callable[..., Any], ...] | None:
         _scale_kernel,
         _nonzero_kernel,
         _split4_kernel,
+        _scale_factor_kernel,
+        _equal_kernel,
     )
     try:
         return tuple(jit(k, True) for k in kernels)
@@ -592,6 +663,41 @@ def scale(values: np.ndarray, factor: int) -> None:
     _KERNELS[8](values.view("<f4"), c, _F32_MIN, _F32_MAX)
 
 
+def scale_factor(
+    raw: np.ndarray, base: np.ndarray, stride: int, width: float, at_least: int, share: int
+) -> int | None:
+    """The bit pattern of the fp32 factor that maps most of ``base``'s elements onto
+    ``raw``'s (fp32 bit patterns, every ``stride``-th element of each), if there is one: the
+    median of the densest window ``[q, q * (1 + width)]`` of their ratios, if that window
+    holds at least ``at_least`` ratios and ``1 / share`` of those of normal pairs, and the
+    factor is a normal number other than 1. One kernel, not a dozen numpy calls on a
+    thousand elements each holding the GIL: it runs for every fp32 chunk with a base."""
+    if _KERNELS is None:
+        return scale_factor_numpy(raw, base, stride, width, at_least, share)
+    args = (
+        _readonly(raw),
+        _readonly(base),
+        _readonly(raw.view("<f4")),
+        _readonly(base.view("<f4")),
+    )
+    bits = int(_KERNELS[11](*args, stride, width, at_least, share))
+    return None if bits < 0 else bits
+
+
+def equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether the uint8 arrays ``a`` and ``b`` hold the same bytes: 8 at a time and 4 KiB
+    at a stretch, stopping at the first stretch that differs, without the GIL (numpy's
+    ``array_equal`` builds a bool array of the whole length first, holding it)."""
+    if len(a) != len(b):
+        return False
+    if _KERNELS is None:
+        return bool(np.array_equal(a[:4096], b[:4096]) and np.array_equal(a, b))
+    whole = len(a) // 8 * 8
+    words = (_readonly(a[:whole].view(np.uint64)), _readonly(b[:whole].view(np.uint64)))
+    tail = (_readonly(a[whole:]), _readonly(b[whole:]))
+    return bool(_KERNELS[12](*words)) and bool(_KERNELS[12](*tail))
+
+
 def warm_up() -> None:
     """Compile (or load from the on-disk cache) the kernels for every element size now, so
     the first save or load does not pay for it."""
@@ -602,6 +708,8 @@ def warm_up() -> None:
         runs = element_runs(nonzero_elements(planes)[0])
         join_runs(list(compact(planes, runs)), runs, raw.copy(), MODES["zsub"])
     round_bf16(np.zeros(8, np.uint32))
+    equal(np.zeros(9, np.uint8), np.zeros(9, np.uint8))
+    scale_factor(np.zeros(8, np.uint32), np.zeros(8, np.uint32), 1, 2.0**-19, 32, 8)
     scale(np.zeros(8, np.uint32), 0x3F800000)
     count, stream = sparse_pack(np.zeros(8, np.uint8))
     sparse_unpack(stream, count, np.empty(8, np.uint8))

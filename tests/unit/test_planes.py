@@ -280,3 +280,52 @@ def test_scale_does_not_depend_on_flush_to_zero(fused: bool) -> None:
         torch.set_flush_denormal(False)
     assert flushed.tobytes() == plain.tobytes()
     assert (plain != values).sum() > 1000  # the normal elements were scaled
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 3000),
+    factor=st.sampled_from([0.9, 0.999, 0.5, 1.0, 1.0000001, 3.0, -2.0, 1e-39]),
+    changed=st.floats(0.0, 1.0),
+    special=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_scale_factor_matches_the_numpy_reference(
+    n: int, factor: float, changed: float, special: bool, seed: int
+) -> None:
+    """The factor found for a chunk decides its codec, so the kernel must find exactly the
+    reference's: rows that only decayed (``base * factor``) among others that moved."""
+    local = np.random.default_rng(seed)
+    base = local.standard_normal(n).astype(np.float32)
+    with np.errstate(all="ignore"):
+        raw = base * np.float32(factor)
+    moved = local.random(n) < changed
+    raw[moved] = local.standard_normal(int(moved.sum())).astype(np.float32)
+    if special:  # zeros, infinities, NaNs and subnormals are left out of the ratios
+        raw[::7] = 0
+        base[::11] = np.inf
+        base[::13] = np.nan
+        raw[::17] = np.float32(1e-40)
+    stride = max(1, n // 256)
+    args = (raw.view(np.uint32), base.view(np.uint32), stride, 2.0**-19, 32, 8)
+    found = planes.scale_factor(*args)
+    assert found == planes.scale_factor_numpy(*args)
+    if found is not None:  # a normal fp32 other than 1
+        assert found != 0x3F800000 and 0 < (found >> 23) & 0xFF < 255
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.binary(max_size=9000), flip=st.integers(-1, 8999), offset=st.integers(0, 7))
+def test_equal_finds_any_one_byte_that_differs(data: bytes, flip: int, offset: int) -> None:
+    """A chunk equal to its base is stored as ``ref``: one differing byte anywhere (the
+    8-byte words, the tail, any 4 KiB stretch), at any alignment, must be seen."""
+    other = bytearray(data)
+    if 0 <= flip < len(data):
+        other[flip] ^= 0x40
+    # the second array at an odd address: views of a body's pieces need not be aligned
+    holder = bytearray(offset + len(other))
+    holder[offset:] = other
+    a = np.frombuffer(data, np.uint8)
+    b = np.frombuffer(memoryview(holder)[offset:], np.uint8)
+    assert planes.equal(a, b) == (bytes(data) == bytes(other))
+    assert not planes.equal(a, b[:-1]) or len(a) == 0
