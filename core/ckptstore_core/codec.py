@@ -107,6 +107,8 @@ _SCALE_MIN_COUNT = 32
 _F32_EXPONENT = 0x7F800000
 _RUNS_MIN_SHARE = 8  # zero elements must be at least 1/8 of the chunk
 _RUNS_MIN_GAP = 16  # and come in stretches this long on average
+# A chunk's planes are compressed in one call when they hold more than this (_compress).
+_ONE_CALL_BYTES = 64 << 10
 # A plane is stored raw unless zstd gets it below this fraction of its size.
 _PLANE_GAIN = 0.85
 # Chunks above this size choose their mode and planes on a sample of this many bytes.
@@ -345,9 +347,11 @@ def _compress(jobs: list[Buffer], level: int) -> Sequence[Buffer]:
     whatever Python another thread runs. With two codec threads, one ``compress`` per plane
     cost the bench's fine-tune chunks 3.25 core-s per GB of encode, one call 3.05
     (docs/benchmarks.md). The frames are byte for byte those of ``compress``, each in a
-    buffer of its exact size."""
+    buffer of its exact size. Jobs of a small chunk, 64 KiB in all or less, are compressed
+    one by one: the one call costs ~20 us more to set up, ~4 compresses of a few hundred
+    bytes."""
     cctx = _cctx(level)
-    if len(jobs) < 2:
+    if len(jobs) < 2 or _size(jobs) <= _ONE_CALL_BYTES:
         return [cctx.compress(data) for data in jobs]
     frames = cctx.multi_compress_to_buffer(jobs)
     # a BufferSegment exports the buffer protocol (its stub does not say so)
