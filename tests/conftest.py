@@ -12,6 +12,18 @@ from support.s3server import fake_aws_credentials, start_moto
 from support.serviceproc import Service
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Compile the codec's numba kernels into their on-disk cache once, before any worker
+    starts: a fresh clone's first service start compiles them (~20 s on the 2-core machine),
+    and two workers' first services compiling at once under load overran the 30 s a test
+    gives a service to start (a whole module's fixture failed in a fresh-clone CI run)."""
+    if hasattr(config, "workerinput"):
+        return  # a pytest-xdist worker: the controller has done it
+    from ckptstore_core import planes
+
+    planes.warm_up()
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A fresh, empty database on each backend: SQLite and the real PostgreSQL."""
