@@ -104,7 +104,6 @@ _SCALE_MIN_SHARE = 8
 _SCALE_WIDTH = 2.0**-19
 _SCALE_PROBE = 1024  # sample elements the factor is estimated on
 _SCALE_MIN_COUNT = 32
-_F32_EXPONENT = 0x7F800000
 _RUNS_MIN_SHARE = 8  # zero elements must be at least 1/8 of the chunk
 _RUNS_MIN_GAP = 16  # and come in stretches this long on average
 # A chunk's planes are compressed in one call when they hold more than this (_compress).
@@ -249,13 +248,6 @@ def _scale_factor(raw: np.ndarray, base: np.ndarray) -> int | None:
     saw no token, the Adam moments of those rows: 0.9**25 and 0.999**25 after 25 steps)."""
     stride = max(1, len(raw) // _SCALE_PROBE)
     return planes.scale_factor(raw, base, stride, _SCALE_WIDTH, _SCALE_MIN_COUNT, _SCALE_MIN_SHARE)
-
-
-def _normal(bits: np.ndarray) -> np.ndarray:
-    """Which fp32 bit patterns are normal numbers (not zero, subnormal, infinite or NaN)."""
-    exponent = bits & np.uint32(_F32_EXPONENT)
-    out: np.ndarray = (exponent != 0) & (exponent != _F32_EXPONENT)
-    return out
 
 
 def _zero_runs(split: np.ndarray) -> np.ndarray | None:
@@ -501,7 +493,7 @@ def _parse_link(codec: str, payload: Buffer, itemsize: int, raw_len: int) -> _Li
         if itemsize != 4 or parts[1:2] != ["zsub/1"] or len(body) < _SCALE_HEAD.size:
             raise CorruptData(f"unknown codec spec {codec!r} for {itemsize}-byte items")
         (scale,) = _SCALE_HEAD.unpack_from(body)
-        if not _normal(np.array([scale], np.uint32))[0]:
+        if not planes.is_normal_f32(np.array([scale], np.uint32))[0]:
             raise CorruptData(f"scale factor {scale:#x} is not a normal fp32")
         del parts[0]
         body = body[_SCALE_HEAD.size :]

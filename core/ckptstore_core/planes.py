@@ -32,8 +32,9 @@ __all__ = [
     "compact",
     "compact_numpy",
     "element_runs",
-    "equal",
     "element_runs_numpy",
+    "equal",
+    "is_normal_f32",
     "join",
     "join_numpy",
     "join_runs",
@@ -199,7 +200,8 @@ def scale_numpy(values: np.ndarray, factor: int) -> None:
     np.copyto(f, product, where=ok)
 
 
-def _normal_numpy(bits: np.ndarray) -> np.ndarray:
+def is_normal_f32(bits: np.ndarray) -> np.ndarray:
+    """Which fp32 bit patterns are normal numbers (not zero, subnormal, infinite or NaN)."""
     exponent = bits & np.uint32(_F32_EXPONENT)
     out: np.ndarray = (exponent != 0) & (exponent != _F32_EXPONENT)
     return out
@@ -209,7 +211,7 @@ def scale_factor_numpy(
     raw: np.ndarray, base: np.ndarray, stride: int, width: float, at_least: int, share: int
 ) -> int | None:
     r, b = raw[::stride], base[::stride]
-    ok = _normal_numpy(r) & _normal_numpy(b)
+    ok = is_normal_f32(r) & is_normal_f32(b)
     q = np.sort(r[ok].view("<f4").astype(np.float64) / b[ok].view("<f4"))
     if len(q) < at_least:
         return None
@@ -219,7 +221,7 @@ def scale_factor_numpy(
     if counts[i] < max(at_least, len(q) // share):
         return None
     bits = np.array([np.median(q[i : i + counts[i]])], "<f4").view("<u4")
-    if bits[0] == _F32_ONE or not _normal_numpy(bits)[0]:
+    if bits[0] == _F32_ONE or not is_normal_f32(bits)[0]:
         return None  # 1 is zsub; the factor must be a normal number
     return int(bits[0])
 
@@ -479,7 +481,7 @@ def _scale_factor_kernel(  # pragma: no cover - jit
     n = raw.shape[0]
     q = np.empty((n + stride - 1) // stride, np.float64)
     c = 0
-    e = np.uint32(0x7F800000)
+    e = np.uint32(_F32_EXPONENT)
     for i in range(0, n, stride):
         x, y = raw[i] & e, base[i] & e
         if x != 0 and x != e and y != 0 and y != e:
@@ -512,7 +514,7 @@ def _scale_factor_kernel(  # pragma: no cover - jit
     median = q[mid] if count % 2 else (q[mid - 1] + q[mid]) / 2
     bits = np.array([median], np.float32).view(np.uint32)[0]
     x = bits & e
-    if bits == np.uint32(0x3F800000) or x == 0 or x == e:
+    if bits == np.uint32(_F32_ONE) or x == 0 or x == e:
         return -1
     return np.int64(bits)
 
