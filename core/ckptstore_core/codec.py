@@ -250,12 +250,12 @@ def _scale_factor(raw: np.ndarray, base: np.ndarray) -> int | None:
     return planes.scale_factor(raw, base, stride, _SCALE_WIDTH, _SCALE_MIN_COUNT, _SCALE_MIN_SHARE)
 
 
-def _zero_runs(split: np.ndarray) -> np.ndarray | None:
-    """The runs of elements whose residual is nonzero, if leaving out the others pays: at
-    least 1/8 of the elements are zero, in stretches of 16+ on average (the rows of an
-    embedding or of its Adam moments that fine-tuning did not touch)."""
-    n = split.shape[1]
-    mask, kept = planes.nonzero_elements(split)
+def _zero_runs(mask: np.ndarray, kept: int) -> np.ndarray | None:
+    """The runs of elements whose residual is nonzero (``mask``: ``kept`` of them), if
+    leaving out the others pays: at least 1/8 of the elements are zero, in stretches of 16+
+    on average (the rows of an embedding or of its Adam moments that fine-tuning did not
+    touch)."""
+    n = len(mask)
     zeros = n - kept
     if not kept or zeros * _RUNS_MIN_SHARE < n:
         return None
@@ -400,15 +400,18 @@ def encode_chunk(
     modes: tuple[str, ...] = _TRY_MODES if base_v is not None else ("none",)
     factor = None
 
-    def residual(m: str, raw_v: np.ndarray, base_v: np.ndarray | None) -> np.ndarray:
+    def residual(
+        m: str, raw_v: np.ndarray, base_v: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """Mode ``m``'s planes, which of their elements are nonzero, and how many."""
         if base_v is None:
-            return planes.split(raw_v, None, planes.MODES["none"])
+            return planes.split_nonzero(raw_v, None, planes.MODES["none"])
         if m == _SCALE:
             assert factor is not None
             predicted = base_v.copy()
             planes.scale(predicted, factor)
-            return planes.split(raw_v, predicted, planes.MODES["zsub"])
-        return planes.split(raw_v, base_v, planes.MODES[m])
+            return planes.split_nonzero(raw_v, predicted, planes.MODES["zsub"])
+        return planes.split_nonzero(raw_v, base_v, planes.MODES[m])
 
     count = max(1, _SAMPLE_BYTES // itemsize)
     raw_s = _sample(raw_v, count)
@@ -420,19 +423,19 @@ def encode_chunk(
     if len(raw_v) <= 2 * count:
         # small chunk: every mode, zstd or raw planes, the smallest kept (sparse planes and
         # runs pay on large mostly-zero planes; here they would only cost time)
-        split = {m: residual(m, raw_v, base_v) for m in modes}
+        split = {m: residual(m, raw_v, base_v)[0] for m in modes}
         tries = _pack_planes(split, level, [_PLANE_ZSTD] * itemsize, 1.0)
         mode, _, stored = _best(tries, min_gain)
         runs = None
     else:
         # large chunk: choose the mode and the planes worth compressing on a sample
         trials = _pack_planes(
-            {m: residual(m, raw_s, base_s) for m in modes}, level, None, _PLANE_GAIN
+            {m: residual(m, raw_s, base_s)[0] for m in modes}, level, None, _PLANE_GAIN
         )
         mode, _, chosen = _best(trials, min_gain)
         kinds: list[int] | None = [p.kind for p in chosen]
-        full = residual(mode, raw_v, base_v)
-        runs = _zero_runs(full)
+        full, mask, kept = residual(mode, raw_v, base_v)
+        runs = _zero_runs(mask, kept)
         if runs is not None:  # the kept elements' planes are denser: choose their kinds anew
             full = planes.compact(full, runs)
             kinds = None

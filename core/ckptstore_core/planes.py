@@ -50,6 +50,7 @@ __all__ = [
     "sparse_unpack",
     "sparse_unpack_numpy",
     "split",
+    "split_nonzero",
     "split_numpy",
     "warm_up",
 ]
@@ -262,34 +263,46 @@ def _split_kernel(raw: Any, base: Any, mode: int, out: Any) -> None:  # pragma: 
             row[i] = np.uint8((np.uint64(src[i]) >> shift) & np.uint64(0xFF))
 
 
-def _split4_kernel(raw: Any, base: Any, mode: int, out: Any) -> None:  # pragma: no cover - jit
+def _split4_kernel(raw: Any, base: Any, mode: int, out: Any, mask: Any) -> int:  # pragma: no cover
     # 4-byte elements (fp32, the bulk of a checkpoint) in one pass, in their own width and
     # with no temporary residual: one loop per mode, so that each vectorizes. On the
     # bench's fine-tune chunks 0.16 core-s less per GB of encode than residual, then planes.
+    # The same pass marks the elements whose residual is nonzero and counts them (what
+    # the codec's zero runs need): a second pass over the planes cost more than the stores.
     r0, r1, r2, r3 = out[0], out[1], out[2], out[3]
     t = raw.dtype.type
     ff, one, top, zero = t(0xFF), t(1), t(31), t(0)
+    kept = 0
     if mode == 0:
         for i in range(raw.shape[0]):
             d = raw[i]
             r0[i], r1[i] = np.uint8(d & ff), np.uint8((d >> t(8)) & ff)
             r2[i], r3[i] = np.uint8((d >> t(16)) & ff), np.uint8(d >> t(24))
+            mask[i] = d != zero
+            kept += d != zero
     elif mode == 3:
         for i in range(raw.shape[0]):
             d = raw[i] ^ base[i]
             r0[i], r1[i] = np.uint8(d & ff), np.uint8((d >> t(8)) & ff)
             r2[i], r3[i] = np.uint8((d >> t(16)) & ff), np.uint8(d >> t(24))
+            mask[i] = d != zero
+            kept += d != zero
     elif mode == 1:
         for i in range(raw.shape[0]):
             d = t(raw[i] - base[i])
             r0[i], r1[i] = np.uint8(d & ff), np.uint8((d >> t(8)) & ff)
             r2[i], r3[i] = np.uint8((d >> t(16)) & ff), np.uint8(d >> t(24))
+            mask[i] = d != zero
+            kept += d != zero
     else:
         for i in range(raw.shape[0]):
             d = t(raw[i] - base[i])
             d = t((d << one) ^ (zero - (d >> top)))
             r0[i], r1[i] = np.uint8(d & ff), np.uint8((d >> t(8)) & ff)
             r2[i], r3[i] = np.uint8((d >> t(16)) & ff), np.uint8(d >> t(24))
+            mask[i] = d != zero
+            kept += d != zero
+    return kept
 
 
 def _join_kernel(planes: Any, out: Any, mode: int) -> None:  # pragma: no cover - jit
@@ -587,12 +600,25 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 def split(raw: np.ndarray, base: np.ndarray | None, mode: int) -> np.ndarray:
     """The residual of ``raw`` (unsigned ints) against ``base`` as ``(itemsize, n)`` planes."""
+    return split_nonzero(raw, base, mode)[0]
+
+
+def split_nonzero(
+    raw: np.ndarray, base: np.ndarray | None, mode: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """:func:`split`, with :func:`nonzero_elements` of its planes: 4-byte elements in the
+    same pass (one read of the chunk, not a second one over its planes)."""
     if _KERNELS is None:
-        return split_numpy(raw, base, mode)
+        planes = split_numpy(raw, base, mode)
+        return (planes, *nonzero_elements_numpy(planes))
     out = np.empty((raw.itemsize, len(raw)), np.uint8)
-    kernel = _KERNELS[10] if raw.itemsize == 4 else _KERNELS[0]
-    kernel(_readonly(raw), _readonly(raw if base is None else base), mode, out)
-    return out
+    args = (_readonly(raw), _readonly(raw if base is None else base), mode, out)
+    if raw.itemsize != 4:
+        _KERNELS[0](*args)
+        return (out, *nonzero_elements(out))
+    mask = np.empty(len(raw), np.bool_)
+    kept = _KERNELS[10](*args, mask)
+    return out, mask, int(kept)
 
 
 def join(planes: Sequence[np.ndarray], out: np.ndarray, mode: int) -> None:

@@ -45,11 +45,20 @@ def test_split_and_join_match_the_numpy_reference(
         base = np.frombuffer(
             data.draw(st.binary(min_size=len(raw_bytes), max_size=len(raw_bytes))), raw.dtype
         )
+    # some elements equal to their base: a zero residual (in every mode but none)
+    same = np.frombuffer(data.draw(st.binary(min_size=n, max_size=n)), np.uint8) < 96
+    base = np.where(same, raw, base)
 
     fused = planes.split(raw, base, mode)
     reference = planes.split_numpy(raw, base, mode)
     assert fused.shape == (itemsize, n)
     assert np.array_equal(fused, reference)
+    # the same planes with their nonzero elements, counted in the same pass
+    with_mask, mask, kept = planes.split_nonzero(raw, base, mode)
+    expected_mask, expected_kept = planes.nonzero_elements_numpy(reference)
+    assert np.array_equal(with_mask, reference)
+    assert np.array_equal(mask, expected_mask)
+    assert kept == expected_kept
 
     start = np.zeros(n, raw.dtype) if mode == planes.MODES["none"] else base.copy()
     for join in (planes.join, planes.join_numpy):
