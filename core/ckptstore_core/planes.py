@@ -106,8 +106,12 @@ def split_numpy(raw: np.ndarray, base: np.ndarray | None, mode: int) -> np.ndarr
     return out
 
 
-def join_numpy(planes: Sequence[np.ndarray], out: np.ndarray, mode: int) -> None:
+def join_numpy(
+    planes: Sequence[np.ndarray], out: np.ndarray, mode: int, base: np.ndarray | None = None
+) -> None:
     k = out.itemsize
+    if base is not None and mode != MODES["none"]:
+        out[:] = base
     if mode == MODES["none"]:
         target = out.view(np.uint8)
         for i, plane in enumerate(planes):
@@ -176,13 +180,17 @@ def compact_numpy(planes: np.ndarray, runs: np.ndarray) -> np.ndarray:
 
 
 def join_runs_numpy(
-    planes: Sequence[np.ndarray], runs: np.ndarray, out: np.ndarray, mode: int
+    planes: Sequence[np.ndarray],
+    runs: np.ndarray,
+    out: np.ndarray,
+    mode: int,
+    base: np.ndarray | None = None,
 ) -> None:
     mask = _run_mask(runs, len(out))
     full = np.zeros((len(planes), len(out)), np.uint8)
     for i, plane in enumerate(planes):
         full[i, mask] = plane
-    join_numpy(list(full), out, mode)
+    join_numpy(list(full), out, mode, base)
 
 
 _F32_EXPONENT = 0x7F800000
@@ -305,7 +313,8 @@ def _split4_kernel(raw: Any, base: Any, mode: int, out: Any, mask: Any) -> int: 
     return kept
 
 
-def _join_kernel(planes: Any, out: Any, mode: int) -> None:  # pragma: no cover - jit
+def _join_kernel(planes: Any, base: Any, out: Any, mode: int) -> None:  # pragma: no cover
+    # out = base op the planes' values; ``base`` may be ``out`` itself (in place)
     n = out.shape[0]
     k = len(planes)
     one = np.uint64(1)
@@ -321,19 +330,19 @@ def _join_kernel(planes: Any, out: Any, mode: int) -> None:  # pragma: no cover 
             v = zero
             for j in range(k):
                 v |= np.uint64(planes[j][i]) << np.uint64(8 * j)
-            out[i] ^= v
+            out[i] = base[i] ^ v
     elif mode == 1:
         for i in range(n):
             v = zero
             for j in range(k):
                 v |= np.uint64(planes[j][i]) << np.uint64(8 * j)
-            out[i] += v
+            out[i] = base[i] + v
     else:
         for i in range(n):
             v = zero
             for j in range(k):
                 v |= np.uint64(planes[j][i]) << np.uint64(8 * j)
-            out[i] += (v >> one) ^ (zero - (v & one))
+            out[i] = base[i] + ((v >> one) ^ (zero - (v & one)))
 
 
 def _sparse_pack_kernel(plane: Any) -> Any:  # pragma: no cover - jit
@@ -398,7 +407,11 @@ def _compact_kernel(planes: Any, runs: Any, out: Any) -> None:  # pragma: no cov
             m += length
 
 
-def _join_runs_kernel(planes: Any, runs: Any, out: Any, mode: int) -> None:  # pragma: no cover
+def _join_runs_kernel(  # pragma: no cover - jit
+    planes: Any, runs: Any, base: Any, out: Any, mode: int, gaps: bool
+) -> None:
+    # out = base op the runs' values; the elements between runs are base's (copied when
+    # ``gaps``: ``out`` is not ``base``), or zero in mode none
     k = len(planes)
     one = np.uint64(1)
     zero = np.uint64(0)
@@ -410,6 +423,8 @@ def _join_runs_kernel(planes: Any, runs: Any, out: Any, mode: int) -> None:  # p
         length = np.uint64(runs[r + 1])
         if mode == 0:
             out[pos : pos + skip] = 0
+        elif gaps:
+            out[pos : pos + skip] = base[pos : pos + skip]
         pos += skip
         if mode == 0:
             for t in range(length):
@@ -422,23 +437,25 @@ def _join_runs_kernel(planes: Any, runs: Any, out: Any, mode: int) -> None:  # p
                 v = zero
                 for j in range(k):
                     v |= np.uint64(planes[j][m + t]) << np.uint64(8 * j)
-                out[pos + t] ^= v
+                out[pos + t] = base[pos + t] ^ v
         elif mode == 1:
             for t in range(length):
                 v = zero
                 for j in range(k):
                     v |= np.uint64(planes[j][m + t]) << np.uint64(8 * j)
-                out[pos + t] += v
+                out[pos + t] = base[pos + t] + v
         else:
             for t in range(length):
                 v = zero
                 for j in range(k):
                     v |= np.uint64(planes[j][m + t]) << np.uint64(8 * j)
-                out[pos + t] += (v >> one) ^ (zero - (v & one))
+                out[pos + t] = base[pos + t] + ((v >> one) ^ (zero - (v & one)))
         pos += length
         m += length
     if mode == 0:
         out[pos:] = 0
+    elif gaps:
+        out[pos:] = base[pos:]
 
 
 def _runs_kernel(mask: Any) -> Any:  # pragma: no cover - jit
@@ -621,12 +638,17 @@ def split_nonzero(
     return out, mask, int(kept)
 
 
-def join(planes: Sequence[np.ndarray], out: np.ndarray, mode: int) -> None:
-    """Apply the values that ``planes`` (``out.itemsize`` uint8 arrays) hold to ``out``."""
+def join(
+    planes: Sequence[np.ndarray], out: np.ndarray, mode: int, base: np.ndarray | None = None
+) -> None:
+    """Apply the values that ``planes`` (``out.itemsize`` uint8 arrays) hold to ``base``
+    (``out`` itself when None), into ``out``: a link decoded onto a kept chunk reads it in
+    this pass rather than copying it first."""
     if _KERNELS is None:
-        join_numpy(planes, out, mode)
+        join_numpy(planes, out, mode, base)
         return
-    _KERNELS[1](tuple(_readonly(p) for p in planes), out, mode)
+    source = _readonly(out if base is None else base)
+    _KERNELS[1](tuple(_readonly(p) for p in planes), source, out, mode)
 
 
 def round_bf16(values: np.ndarray) -> np.ndarray:
@@ -688,14 +710,24 @@ def compact(planes: np.ndarray, runs: np.ndarray) -> np.ndarray:
     return out
 
 
-def join_runs(planes: Sequence[np.ndarray], runs: np.ndarray, out: np.ndarray, mode: int) -> None:
+def join_runs(
+    planes: Sequence[np.ndarray],
+    runs: np.ndarray,
+    out: np.ndarray,
+    mode: int,
+    base: np.ndarray | None = None,
+) -> None:
     """:func:`join` of planes that hold only the elements ``runs`` cover: the others have a
-    zero residual (left as they are; set to zero in mode ``none``). ``runs`` must fit ``out``
-    and the planes (the codec checks them)."""
+    zero residual (``base``'s, or left as they are; set to zero in mode ``none``). ``runs``
+    must fit ``out`` and the planes (the codec checks them)."""
     if _KERNELS is None:
-        join_runs_numpy(planes, runs, out, mode)
+        join_runs_numpy(planes, runs, out, mode, base)
         return
-    _KERNELS[7](tuple(_readonly(p) for p in planes), _readonly(runs), out, mode)
+    source = _readonly(out if base is None else base)
+    kernel = _KERNELS[7]
+    kernel(
+        tuple(_readonly(p) for p in planes), _readonly(runs), source, out, mode, base is not None
+    )
 
 
 def scale(values: np.ndarray, factor: int) -> None:

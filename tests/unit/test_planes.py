@@ -65,6 +65,12 @@ def test_split_and_join_match_the_numpy_reference(
         out = start.copy()
         join(list(fused), out, mode)
         assert np.array_equal(out, raw), join.__name__
+        # onto a base read in the same pass, into a buffer holding anything; base untouched
+        kept = start.copy()
+        fresh = np.full(n, 0xA5, raw.dtype)
+        join(list(fused), fresh, mode, kept)
+        assert np.array_equal(fresh, raw), join.__name__
+        assert np.array_equal(kept, start), join.__name__
 
 
 @pytest.mark.parametrize("itemsize", [2, 4, 8])
@@ -216,6 +222,16 @@ def test_runs_kernels_match_the_numpy_reference(
             out = base.copy()
             join_runs(list(kept), runs, out, mode)
             assert np.array_equal(out, expected), (join_runs.__name__, mode)
+            # onto a base read in the same pass (its gaps copied), into a buffer of garbage
+            fresh = np.full(n, 0xA5, base.dtype)
+            join_runs(list(kept), runs, fresh, mode, _readonly(base))
+            assert np.array_equal(fresh, expected), (join_runs.__name__, mode)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    view = a.view()
+    view.flags.writeable = False
+    return view
 
 
 _SPECIAL_F32 = [
