@@ -152,7 +152,8 @@ def _instrument() -> None:
     _wrap(codec, "_scale_factor", "encode (other)")
     _wrap(codec, "cast_prediction", "cast prediction")
     _wrap(planes, "sparse_pack", "zstd (full chunk)")
-    _wrap(planes, "split_nonzero", lambda raw, base, mode: f"byte planes ({len(raw)} elements)")
+    for split_fn in ("split", "split_nonzero"):
+        _wrap(planes, split_fn, lambda raw, base, mode: f"byte planes ({len(raw)} elements)")
     _wrap(local._BlobFile, "write", "blob write")
     _wrap(local._BlobFile, "finish", "fsync")
     _wrap(local, "_fsync_dir", "fsync")

@@ -400,18 +400,16 @@ def encode_chunk(
     modes: tuple[str, ...] = _TRY_MODES if base_v is not None else ("none",)
     factor = None
 
-    def residual(
-        m: str, raw_v: np.ndarray, base_v: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray, int]:
-        """Mode ``m``'s planes, which of their elements are nonzero, and how many."""
+    def against(m: str, base_v: np.ndarray | None) -> tuple[np.ndarray | None, int]:
+        """What mode ``m`` takes its residual against, and the kernels' number for it."""
         if base_v is None:
-            return planes.split_nonzero(raw_v, None, planes.MODES["none"])
+            return None, planes.MODES["none"]
         if m == _SCALE:
             assert factor is not None
             predicted = base_v.copy()
             planes.scale(predicted, factor)
-            return planes.split_nonzero(raw_v, predicted, planes.MODES["zsub"])
-        return planes.split_nonzero(raw_v, base_v, planes.MODES[m])
+            return predicted, planes.MODES["zsub"]
+        return base_v, planes.MODES[m]
 
     count = max(1, _SAMPLE_BYTES // itemsize)
     raw_s = _sample(raw_v, count)
@@ -423,18 +421,18 @@ def encode_chunk(
     if len(raw_v) <= 2 * count:
         # small chunk: every mode, zstd or raw planes, the smallest kept (sparse planes and
         # runs pay on large mostly-zero planes; here they would only cost time)
-        split = {m: residual(m, raw_v, base_v)[0] for m in modes}
+        split = {m: planes.split(raw_v, *against(m, base_v)) for m in modes}
         tries = _pack_planes(split, level, [_PLANE_ZSTD] * itemsize, 1.0)
         mode, _, stored = _best(tries, min_gain)
         runs = None
     else:
         # large chunk: choose the mode and the planes worth compressing on a sample
         trials = _pack_planes(
-            {m: residual(m, raw_s, base_s)[0] for m in modes}, level, None, _PLANE_GAIN
+            {m: planes.split(raw_s, *against(m, base_s)) for m in modes}, level, None, _PLANE_GAIN
         )
         mode, _, chosen = _best(trials, min_gain)
         kinds: list[int] | None = [p.kind for p in chosen]
-        full, mask, kept = residual(mode, raw_v, base_v)
+        full, mask, kept = planes.split_nonzero(raw_v, *against(mode, base_v))
         runs = _zero_runs(mask, kept)
         if runs is not None:  # the kept elements' planes are denser: choose their kinds anew
             full = planes.compact(full, runs)
@@ -580,11 +578,13 @@ def decode_chain(
     codec, payload = links[0]
     # every link is parsed and checked before anything is decoded
     parsed: list[_Link | Buffer] = []  # a lossy link is its payload, decoded in turn
-    base = None  # a raw first link (a kept chunk), until the first delta reads it
+    base: memoryview | None = None  # a raw first link (a kept chunk): the first join reads it
     if codec == RAW:
         if len(payload) != raw_len:
             raise CorruptData(f"raw chunk of {len(payload)} bytes, expected {raw_len}")
-        base = payload
+        base = memoryview(payload)
+        if not base.c_contiguous:  # numpy views only contiguous bytes
+            base = memoryview(base.tobytes())
         values = np.empty(raw_len // itemsize, dtype=uint)
     else:
         first = _parse_link(codec, payload, itemsize, raw_len)

@@ -617,7 +617,9 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 def split(raw: np.ndarray, base: np.ndarray | None, mode: int) -> np.ndarray:
     """The residual of ``raw`` (unsigned ints) against ``base`` as ``(itemsize, n)`` planes."""
-    return split_nonzero(raw, base, mode)[0]
+    if _KERNELS is None:
+        return split_numpy(raw, base, mode)
+    return _split_fused(raw, base, mode)[0]
 
 
 def split_nonzero(
@@ -628,11 +630,22 @@ def split_nonzero(
     if _KERNELS is None:
         planes = split_numpy(raw, base, mode)
         return (planes, *nonzero_elements_numpy(planes))
+    out, mask, kept = _split_fused(raw, base, mode)
+    if mask is None:
+        return (out, *nonzero_elements(out))
+    return out, mask, kept
+
+
+def _split_fused(
+    raw: np.ndarray, base: np.ndarray | None, mode: int
+) -> tuple[np.ndarray, np.ndarray | None, int]:
+    # the planes, and for 4-byte elements their nonzero elements (that kernel writes both)
+    assert _KERNELS is not None
     out = np.empty((raw.itemsize, len(raw)), np.uint8)
     args = (_readonly(raw), _readonly(raw if base is None else base), mode, out)
     if raw.itemsize != 4:
         _KERNELS[0](*args)
-        return (out, *nonzero_elements(out))
+        return out, None, 0
     mask = np.empty(len(raw), np.bool_)
     kept = _KERNELS[10](*args, mask)
     return out, mask, int(kept)

@@ -475,3 +475,37 @@ def test_planes_compressed_in_one_call_are_the_frames_of_compress_one_by_one() -
     assert [bytes(f) for f in codec._compress([b"abc"], level)] == [
         codec._cctx(level).compress(b"abc")
     ]
+
+
+def test_a_chain_decodes_onto_its_raw_first_link_however_that_is_held() -> None:
+    """The first delta reads a raw first link (a kept chunk) in its join, the next ones apply
+    in place: the same bytes whether that link is bytes, a bytearray, a view at an odd
+    address or a strided one, and the link itself untouched."""
+    n = 1 << 15
+    w0 = rng.standard_normal(n).astype(np.float32)
+    w1 = w0 + (rng.standard_normal(n) * 1e-4).astype(np.float32)  # no one scale: no scale link
+    w1[: n // 4] = w0[: n // 4]  # untouched rows: the deltas leave them out (runs)
+    w2 = w1 + np.float32(1e-4)
+    w2[n // 2 :] = w1[n // 2 :]
+    e1, e2 = (
+        encode_chunk(w1.tobytes(), w0.tobytes(), 4),
+        encode_chunk(w2.tobytes(), w1.tobytes(), 4),
+    )
+    assert codec.is_delta(e1.codec) and codec.is_delta(e2.codec)
+    assert "scale" not in e1.codec and "runs" in e1.codec and "runs" in e2.codec, (e1, e2)
+    tail = [(e1.codec, e1.payload), (e2.codec, e2.payload)]
+    raw0 = w0.tobytes()
+    strided = np.zeros(2 * len(raw0), np.uint8)
+    strided[::2] = np.frombuffer(raw0, np.uint8)
+    firsts = [
+        raw0,
+        bytearray(raw0),
+        memoryview(b"\0" + raw0)[1:],  # unaligned: copied, then joined in place
+        memoryview(strided)[::2],  # not contiguous
+        memoryview(w0.copy()).cast("B"),
+    ]
+    for first in firsts:
+        held = bytes(first)
+        out = codec.decode_chain([(codec.RAW, first), *tail], 4, len(raw0), e2.checksum)
+        assert bytes(out) == w2.tobytes(), type(first)
+        assert bytes(first) == held
