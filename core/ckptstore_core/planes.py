@@ -737,10 +737,8 @@ def join_runs(
         join_runs_numpy(planes, runs, out, mode, base)
         return
     source = _readonly(out if base is None else base)
-    kernel = _KERNELS[7]
-    kernel(
-        tuple(_readonly(p) for p in planes), _readonly(runs), source, out, mode, base is not None
-    )
+    gaps = base is not None  # out is not base: the elements between runs are copied
+    _KERNELS[7](tuple(_readonly(p) for p in planes), _readonly(runs), source, out, mode, gaps)
 
 
 def scale(values: np.ndarray, factor: int) -> None:
