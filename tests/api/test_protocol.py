@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from ckptstore_service.api.protocol import BodyPieces, BodyPiecesProtocol
+from ckptstore_service.api.protocol import PIECES, BodyPieces, BodyPiecesProtocol
 from support.serviceproc import free_port
 from support.waiting import wait_until
 
@@ -37,19 +37,28 @@ def test_pieces_are_joined_in_order() -> None:
 
 
 async def _echo_digest(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """An ASGI app that answers each request with its body's SHA-256 and size."""
+    """An ASGI app that answers each request with its body's SHA-256 and size; on path
+    ``/pieces`` it receives the body through the protocol's pieces extension."""
     if scope["type"] != "http":
         return
     digest, size, more = hashlib.sha256(), 0, True
+    take = scope["extensions"][PIECES]["receive"] if scope["path"] == "/pieces" else None
     while more:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return  # the client left mid-body
-        assert message["type"] == "http.request"
-        assert isinstance(message["body"], bytes)
-        digest.update(message["body"])
-        size += len(message["body"])
-        more = message.get("more_body", False)
+        if take is not None:
+            got = await take()
+            if got is None:
+                return  # the client left mid-body
+            pieces, more = got
+        else:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left mid-body
+            assert message["type"] == "http.request"
+            pieces, more = [message["body"]], message.get("more_body", False)
+        for piece in pieces:
+            assert isinstance(piece, bytes)
+            digest.update(piece)
+            size += len(piece)
     out = json.dumps({"sha256": digest.hexdigest(), "size": size}).encode()
     headers = [(b"content-length", str(len(out)).encode())]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -71,14 +80,14 @@ def server() -> Iterator[int]:
     thread.join(10)
 
 
-def _post(port: int, body: bytes, *, chunked: bool) -> dict[str, Any]:
+def _post(port: int, body: bytes, *, chunked: bool, path: str = "/") -> dict[str, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         if chunked:
             pieces = (body[i : i + 100_000] for i in range(0, len(body), 100_000))
-            conn.request("POST", "/", body=pieces, encode_chunked=True)
+            conn.request("POST", path, body=pieces, encode_chunked=True)
         else:
-            conn.request("POST", "/", body=body)
+            conn.request("POST", path, body=body)
         response = conn.getresponse()
         assert response.status == 200
         result: dict[str, Any] = json.loads(response.read())
@@ -87,12 +96,53 @@ def _post(port: int, body: bytes, *, chunked: bool) -> dict[str, Any]:
         conn.close()
 
 
+@pytest.mark.parametrize("path", ["/", "/pieces"])
 @pytest.mark.parametrize("size", [0, 1, 65_537, 3_000_001])
 @pytest.mark.parametrize("chunked", [False, True])
-def test_bodies_arrive_whole(server: int, size: int, chunked: bool) -> None:
+def test_bodies_arrive_whole(server: int, size: int, chunked: bool, path: str) -> None:
     body = os.urandom(size)
-    got = _post(server, body, chunked=chunked)
+    got = _post(server, body, chunked=chunked, path=path)
     assert got == {"sha256": hashlib.sha256(body).hexdigest(), "size": size}
+
+
+def _answers(sock: socket.socket, count: int) -> list[dict[str, Any]]:
+    """The JSON bodies of ``count`` answers read from ``sock`` (each with a Content-Length)."""
+    data, out = b"", []
+    while len(out) < count:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        length = None
+        if sep:
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+        if length is not None and len(rest) >= length:
+            out.append(json.loads(rest[:length]))
+            data = rest[length:]
+            continue
+        more = sock.recv(65536)
+        assert more, "connection closed before the answers"
+        data += more
+    return out
+
+
+@pytest.mark.parametrize("path", ["/", "/pieces"])
+def test_a_request_sent_right_after_a_body_is_parsed_on_its_own(server: int, path: str) -> None:
+    # the body's end and the next request's head arrive in one read: the protocol passes
+    # the body on without the parser, so the next request must reach a fresh parser whole
+    first, second = os.urandom(700_001), os.urandom(5)
+    requests = [
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+        for body in (first, second)
+    ]
+    with socket.create_connection(("127.0.0.1", server), timeout=30) as sock:
+        sock.sendall(requests[0][:1000])  # the head and the body's start
+        sock.sendall(requests[0][1000:] + requests[1])  # its rest and the next request
+        answers = _answers(sock, 2)
+    assert [a["sha256"] for a in answers] == [
+        hashlib.sha256(first).hexdigest(),
+        hashlib.sha256(second).hexdigest(),
+    ]
 
 
 def test_requests_on_one_connection_keep_their_bodies_apart(server: int) -> None:

@@ -10,14 +10,15 @@ uploads cannot starve the thread pool the other routes use, and a consumer that 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
 from ckptstore_core.errors import InvalidRequest, InvalidStream, RequestTimeout, TooManyUploads
+from ckptstore_service.api.protocol import PIECES
 from ckptstore_service.handoff import unbatched
 
 __all__ = [
@@ -163,21 +164,21 @@ class BodyPipe:
 async def receive_body(
     request: Request, ended: list[bool], limits: BodyLimits
 ) -> AsyncIterator[bytes]:
-    """The request body, like ``request.stream()``; appends to ``ended`` at its last piece.
-    RequestTimeout when it stalls past ``limits``."""
+    """The request body's pieces, like ``request.stream()``; appends to ``ended`` at its
+    last message. RequestTimeout when it stalls past ``limits``."""
+    receive = _pieces_receiver(request)
     window_start, window_bytes = time.monotonic(), 0
     while True:
         with anyio.move_on_after(limits.idle_s) as idle:
-            message = await request.receive()
+            got = await receive()
         if idle.cancelled_caught:
             raise RequestTimeout(f"the upload sent no byte for {limits.idle_s:g} s: cut")
-        if message["type"] == "http.disconnect":
+        if got is None:
             raise ClientDisconnect()
-        more = message.get("more_body", False)
+        pieces, more = got
         if not more:
             ended.append(True)
-        piece = message.get("body", b"")
-        window_bytes += len(piece)
+        window_bytes += sum(map(len, pieces))
         now = time.monotonic()
         if more and limits.min_rate and now - window_start >= limits.window_s:
             rate = window_bytes / (now - window_start)
@@ -187,10 +188,32 @@ async def receive_body(
                     f"under the minimum of {limits.min_rate:g}: cut"
                 )
             window_start, window_bytes = now, 0
-        if piece:
-            yield piece
+        for piece in pieces:
+            if piece:
+                yield piece
         if not more:
             return
+
+
+_Received = tuple[list[bytes], bool] | None  # (pieces, more to come), or None: disconnected
+
+
+def _pieces_receiver(request: Request) -> Callable[[], Awaitable[_Received]]:
+    """What receives the body's pieces: the server's :func:`~.protocol.receive_pieces`
+    (no join of the pieces that arrived together) where it offers it, else ASGI's
+    ``receive`` (another server, an in-process transport)."""
+    take = request.scope.get("extensions", {}).get(PIECES, {}).get("receive")
+    if take is not None:
+        return cast(Callable[[], Awaitable[_Received]], take)
+
+    async def receive() -> _Received:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return None
+        piece = message.get("body", b"")
+        return ([piece] if piece else []), message.get("more_body", False)
+
+    return receive
 
 
 async def pump(body: AsyncIterator[bytes], pipe: BodyPipe) -> None:

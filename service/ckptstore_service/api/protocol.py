@@ -15,13 +15,28 @@ protocol class as well as a name. It relies on how uvicorn's request cycle holds
 0.41 and older hand the app ``cycle.body`` itself), so pyproject.toml keeps uvicorn within
 0.42-0.54, the versions whose source does that; ``tests/api/test_protocol.py`` checks it under
 a real server.
+
+Two more copies go for a body with a Content-Length (a save's): once its headers are parsed,
+the bytes the socket delivers are the body's until its length is reached, so they go to the
+request as they are, not through httptools (which copies each into a new ``bytes``); at its
+end the connection gets a fresh parser for its next request. And the route that streams a
+body takes its pieces as a list (:func:`receive_pieces`, the scope's
+``extensions[PIECES]["receive"]``) where uvicorn's ``receive`` joins those that arrived
+since it last asked: on the event loop, holding the GIL, while the ingest thread waits.
 """
 
 from __future__ import annotations
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+import contextlib
+from functools import partial
 
-__all__ = ["BodyPieces", "BodyPiecesProtocol"]
+import httptools
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+__all__ = ["PIECES", "BodyPieces", "BodyPiecesProtocol", "receive_pieces"]
+
+#: The scope extension whose ``"receive"`` is a request's :func:`receive_pieces` (no argument).
+PIECES = "ckptstore.body_pieces"
 
 
 class BodyPieces:
@@ -55,7 +70,39 @@ HIGH_WATER = 4 << 20
 
 
 class BodyPiecesProtocol(HttpToolsProtocol):
+    # body bytes of the current request still to come, when its Content-Length says (0:
+    # the parser finds the body's end: chunked bodies, none, an upgrade)
+    _body_left = 0
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is None or cycle.scope is not self.scope:
+            return  # an upgrade: no request cycle of its own
+        extensions = self.scope.setdefault("extensions", {})
+        extensions[PIECES] = {"receive": partial(receive_pieces, cycle)}  # ASGI: a dict
+        self._body_left = _content_length(self.headers)
+
+    def data_received(self, data: bytes) -> None:
+        left = self._body_left
+        if not left:
+            super().data_received(data)
+            return
+        # in the body: the parser has seen the headers and counts the body's bytes down;
+        # they are passed on as they came, and the parser replaced at the body's end
+        self._unset_keepalive_if_required()
+        self.on_body(data if len(data) <= left else data[:left])
+        if self._body_left:
+            return
+        self.parser = httptools.HttpRequestParser(self)
+        with contextlib.suppress(AttributeError):  # as uvicorn's own (httptools < 0.6.3)
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        self.on_message_complete()
+        if len(data) > left:  # the next request (pipelined)
+            super().data_received(data[left:])
+
     def on_body(self, body: bytes) -> None:
+        self._body_left = max(0, self._body_left - len(body))
         cycle = self.cycle
         if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
             return
@@ -72,3 +119,35 @@ class BodyPiecesProtocol(HttpToolsProtocol):
         if len(pending) > HIGH_WATER:
             self.flow.pause_reading()
         cycle.message_event.set()
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int:
+    """A request's Content-Length, if it has one and no Transfer-Encoding, else 0
+    (the parser has refused an invalid one already)."""
+    length = 0
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            return 0
+        if name == b"content-length" and value.isdigit():
+            length = int(value)
+    return length
+
+
+async def receive_pieces(cycle: RequestResponseCycle) -> tuple[list[bytes], bool] | None:
+    """uvicorn's ``RequestResponseCycle.receive`` (0.42-0.54) for a request body, with the
+    pieces that arrived since the last call as they came rather than joined: ``(pieces,
+    more_body)``, or None once the client disconnected (``http.disconnect``)."""
+    if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
+        cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        cycle.waiting_for_100_continue = False
+    if not cycle.disconnected and not cycle.response_complete:
+        cycle.flow.resume_reading()
+        await cycle.message_event.wait()
+        cycle.message_event.clear()
+    if cycle.disconnected or cycle.response_complete:
+        return None
+    body: bytearray | BodyPieces = cycle.body
+    cycle.body = bytearray()
+    if isinstance(body, BodyPieces):
+        return body.pieces, cycle.more_body
+    return ([bytes(body)] if body else []), cycle.more_body
