@@ -50,9 +50,6 @@ The script reports; it never fails on a missed target (exit status 0). About 11 
 idle cores, with the sweeps over every step (~2.1 GB peak memory); ``--quick`` (tiny models,
 one pass) about 45 seconds.
 Other work on the machine skews the timings; the load average is recorded next to them.
-Before anything runs, the machine's free memory is touched once (:func:`warm_memory`: a VM
-booted minutes before charges ~10x for a page's first touch, on whichever method maps new
-pages first); its cost is printed and kept in the JSON.
 """
 
 from __future__ import annotations
@@ -632,34 +629,6 @@ def catalog_breakdown(db: Path) -> dict[str, dict[str, Any]]:
 # -- report -------------------------------------------------------------------------------
 
 
-def warm_memory(share: float = 0.8, piece: int = 256 << 20) -> dict[str, float]:
-    """Touch ``share`` of the machine's available memory once, then give it back.
-
-    A VM's hypervisor backs a guest page at the guest's first touch of it since boot: on the
-    2-core VMs this bench ran on, 1.1-2.4 ms per MB, ten times a page fault on memory the
-    guest had touched before (0.16-0.25 ms per MB measured on the same VM after). On a VM
-    booted minutes before, that cost lands on whichever method happens to map new pages
-    first: the service's child processes, started fresh for each phase, more than this
-    process's heap, which the baselines reuse. A host that has run for a while has touched
-    its memory; this one's is touched before any method runs (``--no-warm-memory``: not).
-    Returns what was touched and at what cost."""
-    available = 0
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            available = int(line.split()[1]) * 1024
-    count = int(available * share) // piece
-    t0 = time.perf_counter()
-    held = []
-    for _ in range(count):
-        block = np.empty(piece, np.uint8)
-        block[::4096] = 1  # one byte per page
-        held.append(block)
-    seconds = time.perf_counter() - t0
-    del held
-    touched = count * piece
-    return {"bytes": touched, "seconds": seconds, "ms_per_mb": seconds * 1e3 / max(1, touched / MB)}
-
-
 def machine_info() -> dict[str, Any]:
     cpu = ""
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -849,11 +818,6 @@ def main() -> None:
     p.add_argument(
         "--passes", type=int, default=None, help="passes over all methods, best kept (default 2)"
     )
-    p.add_argument(
-        "--no-warm-memory",
-        action="store_true",
-        help="do not touch the machine's free memory first (see warm_memory)",
-    )
     args = p.parse_args()
 
     torch.set_num_threads(2)
@@ -875,12 +839,6 @@ def main() -> None:
         },
         "runs": {},
     }
-    if not args.no_warm_memory:
-        warm = results["machine"]["memory_warm_up"] = warm_memory()
-        log(
-            f"memory: touched {warm['bytes'] / 2**30:.1f} GiB once in {warm['seconds']:.0f} s "
-            f"({warm['ms_per_mb']:.2f} ms per MB; a VM's first touch since boot costs ~1-2.5)"
-        )
     rows = []
     workdir = Path(tempfile.mkdtemp(prefix="ckptstore-bench-"))
     try:
