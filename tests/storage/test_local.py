@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ckptstore_core.errors import StorageUnavailable
-from ckptstore_service.storage import BlobStore, LocalBlobStore
+from ckptstore_service.storage import BlobStore, LocalBlobStore, local
 from ckptstore_service.storage.local import _tmp_prefix
 
 from .contract import BlobStoreContract
@@ -123,3 +123,46 @@ def test_readiness_fails_while_the_folder_is_gone_and_recovers(tmp_path: Path) -
     (tmp_path / "away").rename(tmp_path / "blobs")
     store.check_ready()
     assert os.listdir(tmp_path / "blobs" / ".tmp") == []
+
+
+def _kept_after_a_blob(store: LocalBlobStore) -> list[object]:
+    """The direct buffers kept once a blob is written (skips where there are none: a
+    filesystem without O_DIRECT, whose blobs go through the page cache)."""
+    store.put_stream("warm", [b"w" * 5000])
+    kept = list(local._BUFFERS._free)
+    if not kept:
+        pytest.skip("this filesystem has no O_DIRECT")
+    return kept
+
+
+def test_a_blob_written_leaves_its_direct_buffer_to_the_next(tmp_path: Path) -> None:
+    store = LocalBlobStore(tmp_path)
+    first = [os.urandom(5 << 20), b"tail"]  # more than one buffer's worth, and a tail
+    store.put_stream("a", first)
+    kept = _kept_after_a_blob(store)
+    store.put_stream("b", [b"x" * 10_000])  # in a kept buffer, full of earlier bytes
+    assert local._BUFFERS._free[-1] in kept
+    assert store.get("a") == b"".join(first)
+    assert store.get("b") == b"x" * 10_000  # the earlier bytes did not leak in
+
+
+def test_a_failed_blob_does_not_hand_its_buffer_on(tmp_path: Path) -> None:
+    store = LocalBlobStore(tmp_path)
+    kept = _kept_after_a_blob(store)
+
+    def failing() -> Iterator[bytes]:
+        yield b"y" * 5000
+        raise RuntimeError("the producer failed")
+
+    with pytest.raises(RuntimeError, match="producer failed"):
+        store.put_stream("c", failing())
+    assert len(local._BUFFERS._free) == len(kept) - 1  # taken, and unmapped with its error
+
+
+def test_direct_buffers_kept_are_bounded() -> None:
+    pool = local._DirectBuffers(keep=1)
+    a, b = pool.take(), pool.take()
+    pool.give_back(a)
+    pool.give_back(b)  # over the bound: unmapped
+    assert b.closed and not a.closed
+    assert pool.take() is a

@@ -23,6 +23,7 @@ import mmap
 import os
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
@@ -46,6 +47,34 @@ def _tmp_prefix(key: str) -> str:
     return hashlib.blake2b(key.encode(), digest_size=8).hexdigest() + "-"
 
 
+class _DirectBuffers:
+    """Page-aligned buffers for O_DIRECT writes, kept for the next blob once one is done
+    with: a fresh mapping's pages fault in at its first fill, which on VMs that hand freed
+    memory back to their host costs 2.3 ms per MB (measured: 9 ms of every save for one
+    4 MiB buffer). At most ``keep`` wait here (one per upload in flight is typical)."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> mmap.mmap:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return mmap.mmap(-1, _DIRECT_BUFFER)  # page-aligned, as O_DIRECT wants
+
+    def give_back(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(buf)
+                return
+        buf.close()
+
+
+_BUFFERS = _DirectBuffers(keep=4)
+
+
 class _BlobFile:
     """Writes a new blob to ``fd`` (which it closes), with O_DIRECT where the filesystem has
     it: pieces are gathered in one page-aligned buffer and written a buffer at a time, the
@@ -55,13 +84,14 @@ class _BlobFile:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.size = self._fill = self._synced = 0
+        self._done = False  # finish() returned
         self._buf: mmap.mmap | None = None
         try:
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
         except OSError:
             return
         try:
-            self._buf = mmap.mmap(-1, _DIRECT_BUFFER)  # page-aligned, as O_DIRECT wants
+            self._buf = _BUFFERS.take()
         except BaseException:
             os.close(fd)
             raise
@@ -96,6 +126,7 @@ class _BlobFile:
             os.ftruncate(self.fd, self.size)  # drop the padding
             self._fill = 0
         os.fsync(self.fd)
+        self._done = True
         return self.size
 
     def close(self) -> None:
@@ -105,6 +136,9 @@ class _BlobFile:
         try:
             if buf is not None:
                 self._view.release()
+                if self._done:  # finished: nothing views the buffer any more
+                    _BUFFERS.give_back(buf)
+                    return
                 # A failed write leaves slices of the buffer in its exception's traceback,
                 # which close() then raises on; the mapping goes with that traceback instead.
                 with contextlib.suppress(BufferError):
