@@ -166,3 +166,15 @@ def test_direct_buffers_kept_are_bounded() -> None:
     pool.give_back(b)  # over the bound: unmapped
     assert b.closed and not a.closed
     assert pool.take() is a
+
+
+def test_a_forked_childs_direct_buffers_are_its_own() -> None:
+    pool = local._DirectBuffers(keep=1)
+    buf = pool.take()
+    buf[:5] = b"PARNT"
+    pid = os.fork()
+    if pid == 0:  # the child writes into its copy, then leaves at once
+        buf[:5] = b"CHILD"
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert buf[:5] == b"PARNT"

@@ -18,7 +18,7 @@ import anyio
 from starlette.requests import ClientDisconnect, Request
 
 from ckptstore_core.errors import InvalidRequest, InvalidStream, RequestTimeout, TooManyUploads
-from ckptstore_service.api.protocol import PIECES
+from ckptstore_service.api.protocol import PIECES, Received
 from ckptstore_service.handoff import unbatched
 
 __all__ = [
@@ -195,18 +195,15 @@ async def receive_body(
             return
 
 
-_Received = tuple[list[bytes], bool] | None  # (pieces, more to come), or None: disconnected
-
-
-def _pieces_receiver(request: Request) -> Callable[[], Awaitable[_Received]]:
+def _pieces_receiver(request: Request) -> Callable[[], Awaitable[Received]]:
     """What receives the body's pieces: the server's :func:`~.protocol.receive_pieces`
     (no join of the pieces that arrived together) where it offers it, else ASGI's
     ``receive`` (another server, an in-process transport)."""
     take = request.scope.get("extensions", {}).get(PIECES, {}).get("receive")
     if take is not None:
-        return cast(Callable[[], Awaitable[_Received]], take)
+        return cast(Callable[[], Awaitable[Received]], take)
 
-    async def receive() -> _Received:
+    async def receive() -> Received:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return None

@@ -28,15 +28,20 @@ since it last asked: on the event loop, holding the GIL, while the ingest thread
 from __future__ import annotations
 
 import contextlib
-from functools import partial
+import weakref
+from collections.abc import Awaitable, Callable
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-__all__ = ["PIECES", "BodyPieces", "BodyPiecesProtocol", "receive_pieces"]
+__all__ = ["PIECES", "BodyPieces", "BodyPiecesProtocol", "Received", "receive_pieces"]
 
 #: The scope extension whose ``"receive"`` is a request's :func:`receive_pieces` (no argument).
 PIECES = "ckptstore.body_pieces"
+
+#: What :func:`receive_pieces` returns: the pieces and whether more follow, or None once the
+#: client is gone.
+Received = tuple[list[bytes], bool] | None
 
 
 class BodyPieces:
@@ -80,8 +85,12 @@ class BodyPiecesProtocol(HttpToolsProtocol):
         if cycle is None or cycle.scope is not self.scope:
             return  # an upgrade: no request cycle of its own
         extensions = self.scope.setdefault("extensions", {})
-        extensions[PIECES] = {"receive": partial(receive_pieces, cycle)}  # ASGI: a dict
-        self._body_left = _content_length(self.headers)
+        extensions[PIECES] = {"receive": _pieces_of(cycle)}  # ASGI: a dict
+        # Left to the parser: an upgrade's body (httptools skips it, never counting it down)
+        # and a body after which the connection closes (the parser ignores what follows,
+        # uvicorn's lenient_data_after_close; a fresh one would parse it as a request)
+        if not self.parser.should_upgrade() and self.parser.should_keep_alive():
+            self._body_left = _content_length(self.headers)
 
     def data_received(self, data: bytes) -> None:
         left = self._body_left
@@ -94,9 +103,7 @@ class BodyPiecesProtocol(HttpToolsProtocol):
         self.on_body(data if len(data) <= left else data[:left])
         if self._body_left:
             return
-        self.parser = httptools.HttpRequestParser(self)
-        with contextlib.suppress(AttributeError):  # as uvicorn's own (httptools < 0.6.3)
-            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        self.parser = _fresh_parser(self)
         self.on_message_complete()
         if len(data) > left:  # the next request (pipelined)
             super().data_received(data[left:])
@@ -121,6 +128,28 @@ class BodyPiecesProtocol(HttpToolsProtocol):
         cycle.message_event.set()
 
 
+def _fresh_parser(protocol: HttpToolsProtocol) -> httptools.HttpRequestParser:
+    """A parser for the connection's next request, set up as uvicorn's ``__init__`` sets up
+    the first."""
+    parser = httptools.HttpRequestParser(protocol)
+    with contextlib.suppress(AttributeError):  # httptools < 0.6.3, as uvicorn's own
+        parser.set_dangerous_leniencies(lenient_data_after_close=True)
+    return parser
+
+
+def _pieces_of(cycle: RequestResponseCycle) -> Callable[[], Awaitable[Received]]:
+    """:func:`receive_pieces` of ``cycle``, holding it weakly: the cycle holds the scope that
+    holds this, and a reference cycle would keep each finished request (its body pieces
+    included) until the garbage collector's next full pass."""
+    ref = weakref.ref(cycle)
+
+    async def receive() -> Received:
+        alive = ref()
+        return None if alive is None else await receive_pieces(alive)
+
+    return receive
+
+
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int:
     """A request's Content-Length, if it has one and no Transfer-Encoding, else 0
     (the parser has refused an invalid one already)."""
@@ -133,7 +162,7 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int:
     return length
 
 
-async def receive_pieces(cycle: RequestResponseCycle) -> tuple[list[bytes], bool] | None:
+async def receive_pieces(cycle: RequestResponseCycle) -> Received:
     """uvicorn's ``RequestResponseCycle.receive`` (0.42-0.54) for a request body, with the
     pieces that arrived since the last call as they came rather than joined: ``(pieces,
     more_body)``, or None once the client disconnected (``http.disconnect``)."""

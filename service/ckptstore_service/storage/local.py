@@ -62,7 +62,8 @@ class _DirectBuffers:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return mmap.mmap(-1, _DIRECT_BUFFER)  # page-aligned, as O_DIRECT wants
+        # page-aligned, as O_DIRECT wants; private: a forked child's copy is its own
+        return mmap.mmap(-1, _DIRECT_BUFFER, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     def give_back(self, buf: mmap.mmap) -> None:
         with self._lock:
