@@ -76,7 +76,7 @@ HIGH_WATER = 4 << 20
 
 class BodyPiecesProtocol(HttpToolsProtocol):
     # body bytes of the current request still to come, when its Content-Length says (0:
-    # the parser finds the body's end: chunked bodies, none, an upgrade)
+    # the parser finds the body's end: chunked bodies, none, an upgrade's, a last request's)
     _body_left = 0
 
     def on_headers_complete(self) -> None:
