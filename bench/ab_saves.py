@@ -33,16 +33,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import models  # noqa: E402
+from bench import proc_stat  # noqa: E402
 from ckptstore import CheckpointClient  # noqa: E402
 from profile_save import checkpoints  # noqa: E402
 from support.serviceproc import Service  # noqa: E402
-
-
-def _stat(pid: int, tid: int | None = None) -> tuple[float, int]:
-    """CPU seconds and minor faults of process ``pid`` (of its thread ``tid``)."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[7])
 
 
 def one_round(
@@ -62,14 +56,14 @@ def one_round(
     try:
         with CheckpointClient(svc.url, timeout=600) as client:
             for k in range(saves + 1):
-                cpu0, faults0 = _stat(svc.pid)
-                loop0, _ = _stat(svc.pid, svc.pid)
+                cpu0, faults0 = proc_stat(svc.pid)
+                loop0, _ = proc_stat(svc.pid, svc.pid)
                 t0 = time.perf_counter()
                 for step, state in ckpts:
                     client.save(f"{name}-{k}", step, state)
                 wall = time.perf_counter() - t0
-                cpu1, faults1 = _stat(svc.pid)
-                loop1, _ = _stat(svc.pid, svc.pid)
+                cpu1, faults1 = proc_stat(svc.pid)
+                loop1, _ = proc_stat(svc.pid, svc.pid)
                 if k:
                     passes.append(
                         {

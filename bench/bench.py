@@ -176,10 +176,17 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def proc_stat(pid: int, tid: int | None = None) -> tuple[float, int]:
+    """user + system CPU seconds and minor page faults of a process (all its threads), or of
+    its thread ``tid``."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[7])
+
+
 def proc_cpu_s(pid: int) -> float:
     """user + system CPU seconds of a process (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return proc_stat(pid)[0]
 
 
 def best_of(repeats: int, fn: Callable[[], State]) -> tuple[float, State]:

@@ -240,7 +240,7 @@ def _wait_for(path: Path, timeout: float = 30.0) -> dict[str, Any]:
 def profile_run(name: str, ckpts: list[tuple[int, Any]], workdir: Path) -> dict[str, Any]:
     import torch
 
-    from bench import raw_bytes
+    from bench import proc_cpu_s, raw_bytes
     from ckptstore import CheckpointClient
     from ckptstore import state as state_mod
 
@@ -280,7 +280,7 @@ def profile_run(name: str, ckpts: list[tuple[int, Any]], workdir: Path) -> dict[
             spent.clear()
             os.kill(svc.pid, signal.SIGUSR1)  # reset the service's figures
             time.sleep(0.5)
-            svc_cpu0, cpu0 = _cpu(svc.pid), time.process_time()
+            svc_cpu0, cpu0 = proc_cpu_s(svc.pid), time.process_time()
             save_s = []
             stored = 0
             for step, st in ckpts:
@@ -289,7 +289,7 @@ def profile_run(name: str, ckpts: list[tuple[int, Any]], workdir: Path) -> dict[
                 save_s.append(time.perf_counter() - t0)
                 stored += info.stored_bytes
             client_cpu = time.process_time() - cpu0
-            svc_cpu = _cpu(svc.pid) - svc_cpu0
+            svc_cpu = proc_cpu_s(svc.pid) - svc_cpu0
             os.kill(svc.pid, signal.SIGUSR2)
             service = _wait_for(prof)
     finally:
@@ -386,11 +386,6 @@ def in_process(name: str, ckpts: list[tuple[int, Any]], workdir: Path) -> dict[s
     finally:
         rt.close()
     return {"wall_s": wall, "cpu_s": cpu, "ingest_cpu_s": ingest, "raw_bytes": raw}
-
-
-def _cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stage_table(r: dict[str, Any]) -> list[tuple[str, float]]:
