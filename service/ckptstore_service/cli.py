@@ -63,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_keep_alive=30,
-        http=BodyPiecesProtocol,
+        http=BodyPiecesProtocol,  # type: ignore[arg-type]  # typed as asyncio.Protocol only
     )
     return 0
 

@@ -39,6 +39,7 @@ def test_pieces_are_joined_in_order() -> None:
 
 
 _RECEIVERS: list[weakref.ref[Any]] = []  # each /pieces request's receive, held weakly
+_PIECE_TYPES: list[type] = []  # the type of every piece /pieces received
 
 
 async def _echo_digest(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -63,7 +64,11 @@ async def _echo_digest(scope: dict[str, Any], receive: Any, send: Any) -> None:
             assert message["type"] == "http.request"
             pieces, more = [message["body"]], message.get("more_body", False)
         for piece in pieces:
-            assert isinstance(piece, bytes)
+            if take is None:
+                assert isinstance(piece, bytes)  # ASGI's receive: bytes, as the spec says
+            else:
+                assert memoryview(piece).readonly
+                _PIECE_TYPES.append(type(piece))
             digest.update(piece)
             size += len(piece)
     out = json.dumps({"sha256": digest.hexdigest(), "size": size}).encode()
@@ -72,11 +77,16 @@ async def _echo_digest(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": out})
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[int]:
+@pytest.fixture(scope="module", params=["uvloop", "asyncio"])
+def server(request: pytest.FixtureRequest) -> Iterator[int]:
     port = free_port()
     config = uvicorn.Config(
-        _echo_digest, host="127.0.0.1", port=port, http=BodyPiecesProtocol, log_level="error"
+        _echo_digest,
+        host="127.0.0.1",
+        port=port,
+        http=BodyPiecesProtocol,
+        loop=request.param,
+        log_level="error",
     )
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -110,6 +120,19 @@ def test_bodies_arrive_whole(server: int, size: int, chunked: bool, path: str) -
     body = os.urandom(size)
     got = _post(server, body, chunked=chunked, path=path)
     assert got == {"sha256": hashlib.sha256(body).hexdigest(), "size": size}
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_with_a_length_is_read_into_the_protocols_buffers(
+    server: int, chunked: bool
+) -> None:
+    # its bytes after the first read (which holds the headers) land in the buffers the
+    # protocol offers the event loop, as views of them; a chunked body's are copied out
+    _PIECE_TYPES.clear()
+    body = os.urandom(3_000_001)
+    assert _post(server, body, chunked=chunked, path="/pieces")["size"] == len(body)
+    assert (memoryview in _PIECE_TYPES) is not chunked
+    assert set(_PIECE_TYPES) <= {bytes, memoryview}
 
 
 def _answers(sock: socket.socket, count: int) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from typing import TypeVar, cast
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
+from ckptstore_core.codec import Buffer
 from ckptstore_core.errors import InvalidRequest, InvalidStream, RequestTimeout, TooManyUploads
 from ckptstore_service.api.protocol import PIECES, Received
 from ckptstore_service.handoff import unbatched
@@ -153,7 +154,7 @@ class BodyPipe:
             except anyio.WouldBlock:
                 return items
 
-    def __iter__(self) -> Iterator[bytes]:
+    def __iter__(self) -> Iterator[Buffer]:
         def received() -> Iterator[object]:
             while True:
                 yield from anyio.from_thread.run(self._receive_all)
@@ -163,7 +164,7 @@ class BodyPipe:
 
 async def receive_body(
     request: Request, ended: list[bool], limits: BodyLimits
-) -> AsyncIterator[bytes]:
+) -> AsyncIterator[Buffer]:
     """The request body's pieces, like ``request.stream()``; appends to ``ended`` at its
     last message. RequestTimeout when it stalls past ``limits``."""
     receive = _pieces_receiver(request)
@@ -213,7 +214,7 @@ def _pieces_receiver(request: Request) -> Callable[[], Awaitable[Received]]:
     return receive
 
 
-async def pump(body: AsyncIterator[bytes], pipe: BodyPipe) -> None:
+async def pump(body: AsyncIterator[Buffer], pipe: BodyPipe) -> None:
     """Move ``body`` into ``pipe``; a client that disconnects becomes an InvalidStream.
 
     The pieces of the first ~1 MiB are passed on one by one, as they arrive: the consumer
@@ -225,7 +226,7 @@ async def pump(body: AsyncIterator[bytes], pipe: BodyPipe) -> None:
     ~1,000 hand-offs per 70 MB. A batch is a list of the pieces, not their concatenation:
     no copy on the event loop.
     """
-    batch: list[bytes] = []
+    batch: list[Buffer] = []
     size = 0
     sent = 0
     try:
@@ -262,7 +263,7 @@ async def drain(request: Request) -> None:
 async def consume_body(
     request: Request,
     uploads: Uploads,
-    consume: Callable[[Iterable[bytes], int | None], T],
+    consume: Callable[[Iterable[Buffer], int | None], T],
 ) -> T:
     """Run ``consume(body, content_length)`` in a worker thread (one of ``uploads``' slots)
     while the event loop streams the request body into it; returns what it returns, or
@@ -296,7 +297,7 @@ async def consume_body(
         uploads.give_back(client)
 
 
-async def _with_length_prefix(first: bytes | None, body: AsyncIterator[bytes]) -> bytes | None:
+async def _with_length_prefix(first: Buffer | None, body: AsyncIterator[Buffer]) -> Buffer | None:
     """``first`` and as many pieces after it as make the body's 8-byte header length (all
     of a shorter body)."""
     if first is None or len(first) >= 8:
@@ -309,7 +310,7 @@ async def _with_length_prefix(first: bytes | None, body: AsyncIterator[bytes]) -
     return b"".join(pieces)
 
 
-def _announced_header(first: bytes | None, cap: int) -> int:
+def _announced_header(first: Buffer | None, cap: int) -> int:
     """The header length a safetensors body announces in its first 8 bytes; 0 for a body
     too short to say, or for one over ``cap`` (0: no cap): the parser refuses that one on
     its first 8 bytes (413), before buffering any of it."""
@@ -322,11 +323,11 @@ def _announced_header(first: bytes | None, cap: int) -> int:
 async def _consume(
     request: Request,
     uploads: Uploads,
-    consume: Callable[[Iterable[bytes], int | None], T],
+    consume: Callable[[Iterable[Buffer], int | None], T],
     content_length: int | None,
     ended: list[bool],
-    body: AsyncIterator[bytes],
-    first: bytes | None,
+    body: AsyncIterator[Buffer],
+    first: Buffer | None,
 ) -> T:
     pipe = BodyPipe()
     outcome: list[T] = []
@@ -352,7 +353,7 @@ async def _consume(
     return outcome[0]
 
 
-async def _first_piece(body: AsyncIterator[bytes], content_length: int | None) -> bytes | None:
+async def _first_piece(body: AsyncIterator[Buffer], content_length: int | None) -> Buffer | None:
     """The body's first bytes (None: it has none); a client that disconnects or stalls
     before sending any gets its error here, before it takes a slot."""
     if content_length == 0:
@@ -365,7 +366,7 @@ async def _first_piece(body: AsyncIterator[bytes], content_length: int | None) -
         raise InvalidStream("client disconnected before sending its body") from None
 
 
-async def _chained(first: bytes | None, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _chained(first: Buffer | None, rest: AsyncIterator[Buffer]) -> AsyncIterator[Buffer]:
     if first is not None:
         yield first
     async for piece in rest:

@@ -29,6 +29,7 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from ckptstore_core.codec import Buffer
 from ckptstore_core.encoded import CONTENT_TYPE as ENCODED
 from ckptstore_core.errors import (
     CheckpointExists,
@@ -129,7 +130,7 @@ async def _stored_part(
     part: str,
     request: Request,
     uploads: Uploads,
-    ingest: Callable[[str, int, str, Iterable[bytes], int | None], tuple[PartRecord, bool]],
+    ingest: Callable[[str, int, str, Iterable[Buffer], int | None], tuple[PartRecord, bool]],
 ) -> JSONResponse:
     """A part's body handed to ``ingest`` in a worker thread; the stored part's JSON."""
     check_run_name(run)

@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import Iterable
 
+from ckptstore_core.codec import Buffer
 from ckptstore_core.pipeline import ChunkPipeline, FileBases, LossySave, same_offsets
 from ckptstore_service.cache_policy import CachePolicy
 from ckptstore_service.catalog import Catalog, CheckpointRecord, Lease
@@ -74,7 +75,7 @@ class Saver:
         self._metrics = metrics
 
     def ingest(
-        self, run: str, step: int, body: Iterable[bytes], content_length: int | None
+        self, run: str, step: int, body: Iterable[Buffer], content_length: int | None
     ) -> tuple[CheckpointRecord, bool]:
         """Store one checkpoint from a safetensors stream; returns (record, created).
 

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore_core import codec
+from ckptstore_core.codec import Buffer
 from ckptstore_core.encoded import EncodedParser, FramePiece, Plan, Tail, chunk_cut, parse_tail
 from ckptstore_core.errors import CheckpointExists, InvalidRequest, InvalidStream
 from ckptstore_core.lossy import LOSSY
@@ -110,7 +111,7 @@ class DirectSaver:
         )
 
     def ingest(
-        self, run: str, step: int, name: str, body: Iterable[bytes], content_length: int | None
+        self, run: str, step: int, name: str, body: Iterable[Buffer], content_length: int | None
     ) -> tuple[PartRecord, bool]:
         """Register part ``name`` of ``run/step`` from an encoded body; returns (part,
         created), as :meth:`PartSaver.ingest_part` does for a raw one."""
@@ -126,7 +127,7 @@ class DirectSaver:
 
         return self._save(run, step, name, header, lambda: _drained(frames, parser), land)
 
-    def _open(self, it: Iterator[bytes]) -> tuple[EncodedParser, Header, list[FramePiece]]:
+    def _open(self, it: Iterator[Buffer]) -> tuple[EncodedParser, Header, list[FramePiece]]:
         """The body's header, checked as a raw upload's is, and the frame pieces after it."""
         s = self._settings
         parser = EncodedParser(body_parser(s), s.chunk_bytes, s.max_header_bytes)
@@ -332,7 +333,7 @@ def _copy(p: FramePiece) -> FramePiece:
 
 
 def _frames(
-    parser: EncodedParser, first: list[FramePiece], it: Iterator[bytes]
+    parser: EncodedParser, first: list[FramePiece], it: Iterator[Buffer]
 ) -> Iterator[FramePiece]:
     yield from first
     for data in it:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from ckptstore_core.codec import Buffer
 from ckptstore_core.errors import CheckpointExists, InvalidStream
 from ckptstore_core.lossy import ParamNames
 from ckptstore_core.pipeline import TensorInfo, lossy_params
@@ -76,7 +77,7 @@ def header_of(text: bytes, settings: Settings) -> Header:
     return header
 
 
-def open_body(body: Iterable[bytes], content_length: int | None, settings: Settings) -> Incoming:
+def open_body(body: Iterable[Buffer], content_length: int | None, settings: Settings) -> Incoming:
     """Parse ``body`` up to the end of its header and check it against ``settings``' limits
     (InvalidStream, PayloadTooLarge); the tensor pieces follow lazily."""
     parser = body_parser(settings)
@@ -101,7 +102,7 @@ def wait_for_data(incoming: Incoming) -> Incoming:
     return Incoming(incoming.header, itertools.chain((first,), incoming.pieces))
 
 
-def read_header(parser: StreamParser, body: Iterator[bytes]) -> tuple[Header, list[TensorPiece]]:
+def read_header(parser: StreamParser, body: Iterator[Buffer]) -> tuple[Header, list[TensorPiece]]:
     """Feed ``body`` until the header is parsed; returns it with any tensor pieces after it."""
     for data in body:
         events = list(parser.feed(data))
@@ -185,7 +186,7 @@ def _no_constant(name: str) -> object:
 
 
 def _tensor_stream(
-    parser: StreamParser, first: list[TensorPiece], it: Iterator[bytes]
+    parser: StreamParser, first: list[TensorPiece], it: Iterator[Buffer]
 ) -> Iterator[TensorPiece]:
     yield from first
     for data in it:

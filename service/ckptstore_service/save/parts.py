@@ -31,6 +31,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from ckptstore_core.assemble import layout_view
+from ckptstore_core.codec import Buffer
 from ckptstore_core.dcp_layout import METADATA_KEY
 from ckptstore_core.errors import CheckpointExists, InvalidRequest
 from ckptstore_core.pipeline import BaseReader, ChunkPipeline, FileBases
@@ -97,7 +98,7 @@ class PartSaver:
         self._read = read
 
     def ingest_part(
-        self, run: str, step: int, name: str, body: Iterable[bytes], content_length: int | None
+        self, run: str, step: int, name: str, body: Iterable[Buffer], content_length: int | None
     ) -> tuple[PartRecord, bool]:
         """Store part ``name`` of ``run/step``; returns (part, created). ``created`` is False
         for a retry with the same content, also of a step committed already (then nothing
