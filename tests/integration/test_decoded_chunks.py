@@ -246,6 +246,41 @@ def test_a_load_reads_its_checkpoints_chunk_tree_once(
         rt.close()
 
 
+def test_a_step_loaded_again_from_memory_reads_no_chunk_tree(
+    make_service: Callable[..., Service], tmp_path: Path, states: list[dict[str, Any]]
+) -> None:
+    """The second load of a step whose chunks are all still kept decoded is served from
+    them without the catalog's chunk tree (``LoadedChunks``), the same bytes; once they are
+    no longer kept, the load reads the tree and decodes again."""
+    data = tmp_path / "data"
+    saved(make_service, data, states[:3])
+    rt = Runtime.open(Settings(data_dir=data, chunk_bytes=64 << 10, read_ahead=False))
+    try:
+        trees: list[int] = []
+        tree = rt.catalog.chunk_tree
+
+        def counted_tree(checkpoint_id: int) -> Any:
+            trees.append(checkpoint_id)
+            return tree(checkpoint_id)
+
+        rt.catalog.chunk_tree = counted_tree  # type: ignore[method-assign]
+
+        def load() -> tuple[bytes, list[int]]:
+            trees.clear()
+            served = rt.loader.open("run", 1, None)
+            return b"".join(bytes(piece) for piece in served.body), list(trees)
+
+        first, read = load()
+        assert len(read) == 1  # decoded from storage
+        again, read = load()
+        assert again == first and read == []
+        rt.source.decoded.clear()
+        third, read = load()
+        assert third == first and len(read) == 1
+    finally:
+        rt.close()
+
+
 def test_a_walk_done_again_reads_nothing_ahead(
     make_service: Callable[..., Service], tmp_path: Path, states: list[dict[str, Any]]
 ) -> None:
