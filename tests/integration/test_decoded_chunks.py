@@ -215,6 +215,19 @@ def test_loads_that_walk_a_run_in_order_find_the_next_step_read_ahead(
             assert read() == 0
 
 
+def counted_trees(rt: Runtime) -> list[int]:
+    """The checkpoint ids whose chunk tree ``rt``'s catalog reads from now on, in order."""
+    trees: list[int] = []
+    tree = rt.catalog.chunk_tree
+
+    def counted_tree(checkpoint_id: int) -> Any:
+        trees.append(checkpoint_id)
+        return tree(checkpoint_id)
+
+    rt.catalog.chunk_tree = counted_tree  # type: ignore[method-assign]
+    return trees
+
+
 def test_a_load_reads_its_checkpoints_chunk_tree_once(
     make_service: Callable[..., Service], tmp_path: Path, states: list[dict[str, Any]]
 ) -> None:
@@ -225,14 +238,7 @@ def test_a_load_reads_its_checkpoints_chunk_tree_once(
     saved(make_service, data, states[:3])
     rt = Runtime.open(Settings(data_dir=data, chunk_bytes=64 << 10, read_ahead=False))
     try:
-        trees: list[int] = []
-        tree = rt.catalog.chunk_tree
-
-        def counted_tree(checkpoint_id: int) -> Any:
-            trees.append(checkpoint_id)
-            return tree(checkpoint_id)
-
-        rt.catalog.chunk_tree = counted_tree  # type: ignore[method-assign]
+        trees = counted_trees(rt)
         for step in (0, 2):
             trees.clear()
             served = rt.loader.open("run", step, None)
@@ -256,14 +262,7 @@ def test_a_step_loaded_again_from_memory_reads_no_chunk_tree(
     saved(make_service, data, states[:3])
     rt = Runtime.open(Settings(data_dir=data, chunk_bytes=64 << 10, read_ahead=False))
     try:
-        trees: list[int] = []
-        tree = rt.catalog.chunk_tree
-
-        def counted_tree(checkpoint_id: int) -> Any:
-            trees.append(checkpoint_id)
-            return tree(checkpoint_id)
-
-        rt.catalog.chunk_tree = counted_tree  # type: ignore[method-assign]
+        trees = counted_trees(rt)
 
         def load() -> tuple[bytes, list[int]]:
             trees.clear()
