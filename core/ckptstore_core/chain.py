@@ -137,6 +137,16 @@ class DecodedChunks:
         if self._on_decoded is not None and links:
             self._on_decoded(links)
 
+    def holds(self, chunks: list[ChunkInfo]) -> bool:
+        """Whether every one of ``chunks`` is kept, with its checksum and length; looks only
+        (no entry moves or goes)."""
+        with self._lock:
+            for c in chunks:
+                entry = self._entries.get(c.id)
+                if entry is None or entry[0] != c.checksum or len(entry[1]) != c.raw_len:
+                    return False
+        return True
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()

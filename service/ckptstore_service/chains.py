@@ -129,21 +129,22 @@ def _tensors_key(tensors: list[TensorInfo]) -> _Tensors:
 
 
 class LoadedChunks:
-    """The chunks that the last loads of a few checkpoints streamed from, by checkpoint id:
-    a checkpoint loaded again whose chunks are all still kept decoded is served from them
-    without the catalog's chunk tree (a recursive query over every chain: 4-6 ms of a warm
-    load of the bench's GPT, 361 tensors, on SQLite).
+    """The chunks that the last loads of a few checkpoints' tensors streamed from: a
+    checkpoint's tensors loaded again whose chunks are all still kept decoded are served
+    from them without the catalog's chunk tree (a recursive query over every chain: 4-6 ms
+    of a warm load of the bench's GPT, 361 tensors, on SQLite).
 
-    What makes that safe is the tensors' checksums, not the chunk rows: an entry holds the
-    checksums of the tensors it streamed, and serves a load only of the same tensors with
-    the same checksums (a lossy archive re-encoding a tensor changes its checksum), each
-    chunk's bytes being those of the kept entry verified against that chunk's checksum
-    (:class:`DecodedChunks`: an id reused or re-encoded no longer matches). Chunk rows keep
-    their ids and bytes through re-roots and re-bases; a delete of the checkpoint fails its
-    lookup before this is asked."""
+    What makes that safe is the tensors' checksums, not the chunk rows: an entry is keyed by
+    the checkpoint and the index, size and checksum of each tensor it streamed, so it serves
+    only the same tensors with the same checksums (a lossy archive re-encoding a tensor
+    changes its checksum), each chunk's bytes being those kept under its id and verified
+    against its own checksum (:class:`DecodedChunks`: an id reused or re-encoded no longer
+    matches). Chunk rows keep their ids and bytes through re-roots and re-bases. A load that
+    races the checkpoint's delete is served as the checkpoint was when the load began (the
+    chunk tree would have said it is gone)."""
 
     def __init__(self, entries: int = 64) -> None:
-        self._entries: OrderedDict[int, tuple[_Tensors, list[ChunkInfo]]] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, _Tensors], list[ChunkInfo]] = OrderedDict()
         self._max = entries
         self._lock = threading.Lock()
 
@@ -152,28 +153,21 @@ class LoadedChunks:
     ) -> None:
         """``chunks`` (those whose kept bytes are ``tensors``' bytes, in order) streamed a
         load of ``tensors`` of checkpoint ``checkpoint_id``."""
+        key = (checkpoint_id, _tensors_key(tensors))
         with self._lock:
-            self._entries[checkpoint_id] = (_tensors_key(tensors), chunks)
-            self._entries.move_to_end(checkpoint_id)
+            self._entries[key] = chunks
+            self._entries.move_to_end(key)
             while len(self._entries) > self._max:
                 self._entries.popitem(last=False)
 
     def kept(
         self, checkpoint_id: int, tensors: list[TensorInfo], decoded: DecodedChunks
-    ) -> list[Piece] | None:
-        """The bytes of ``tensors``, in pieces, if a load of the same tensors of this
-        checkpoint streamed from chunks that are all still kept decoded, else None."""
+    ) -> list[ChunkInfo] | None:
+        """The chunks a load of the same tensors of this checkpoint streamed from, in order,
+        if they are all still kept decoded, else None."""
         with self._lock:
-            entry = self._entries.get(checkpoint_id)
-        if entry is None or entry[0] != _tensors_key(tensors):
-            return None
-        pieces: list[Piece] = []
-        for c in entry[1]:
-            kept = decoded.get(c)  # held here: evicted meanwhile, it is still served
-            if kept is None:
-                return None
-            pieces.append(kept)
-        return pieces
+            chunks = self._entries.get((checkpoint_id, _tensors_key(tensors)))
+        return chunks if chunks is not None and decoded.holds(chunks) else None
 
 
 class LoadChains:
@@ -201,9 +195,24 @@ class LoadChains:
         source = self._source
         remembered = source.loaded.kept(self._info.id, self._tensors, source.decoded)
         if remembered is not None:
-            self._stats.kept += len(remembered)
-            return iter(remembered)
+            return self._from_kept(remembered)
         return self.stream() if self.all_kept() else None
+
+    def _from_kept(self, remembered: list[ChunkInfo]) -> Iterator[Piece]:
+        """The kept bytes of ``remembered``, taken one at a time as they are sent (a slow
+        reader holds no more of them than the decoded chunks do); from the first one
+        evicted meanwhile, decoded as :meth:`stream` would."""
+        decoded = self._source.decoded
+        for i, c in enumerate(remembered):
+            kept = decoded.get(c)
+            if kept is None:
+                decoder, chunks = self._decoder()
+                yield from self._remembered(
+                    decoder, chunks, self._source.ahead(decoder, chunks[i:])
+                )
+                return
+            self._stats.kept += 1
+            yield kept
 
     def all_kept(self) -> bool:
         """Whether every chunk is kept decoded (looked at only when the decoded chunks hold

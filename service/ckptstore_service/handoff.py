@@ -6,7 +6,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["unbatched"]
+import numpy as np
+
+__all__ = ["SealedBuffer", "unbatched"]
+
+
+class SealedBuffer(np.ndarray):
+    """Bytes of a request body that the server read into memory of their own and never
+    writes again (``api.protocol``'s read buffers): a view of them may go on to another
+    thread, or into a blob writer's queue, without a copy, as a view of ``bytes`` may."""
 
 
 def unbatched(items: Iterable[object], end: object) -> Iterator[Any]:

@@ -17,6 +17,7 @@ import pytest
 import uvicorn
 
 from ckptstore_service.api.protocol import PIECES, BodyPieces, BodyPiecesProtocol
+from ckptstore_service.handoff import SealedBuffer
 from support.serviceproc import free_port
 from support.waiting import wait_until
 
@@ -68,6 +69,8 @@ async def _echo_digest(scope: dict[str, Any], receive: Any, send: Any) -> None:
                 assert isinstance(piece, bytes)  # ASGI's receive: bytes, as the spec says
             else:
                 assert memoryview(piece).readonly
+                # a view of a buffer the server never writes again: passed on uncopied
+                assert isinstance(piece, bytes) or isinstance(piece.obj, SealedBuffer)
                 _PIECE_TYPES.append(type(piece))
             digest.update(piece)
             size += len(piece)

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckptstore import CheckpointClient, CheckpointInfo
 from ckptstore_core import codec
+from ckptstore_service.chains import DecodeStats
 from ckptstore_service.runtime import Runtime
 from ckptstore_service.settings import Settings
 from support.serviceproc import Service, forget_cache, wait_idle
@@ -276,6 +277,16 @@ def test_a_step_loaded_again_from_memory_reads_no_chunk_tree(
         rt.source.decoded.clear()
         third, read = load()
         assert third == first and len(read) == 1
+        load()  # remembered again
+        info = rt.catalog.get("run", 1)
+        tensors = rt.catalog.tensors(info.id)
+        data = b"".join(bytes(p) for p in rt.source.load(info, tensors, DecodeStats()).stream())
+        trees.clear()
+        kept = rt.source.load(info, tensors, DecodeStats()).kept()
+        assert kept is not None and trees == []  # to be served from the kept chunks
+        rt.source.decoded.clear()  # evicted before they are sent
+        assert b"".join(bytes(piece) for piece in kept) == data
+        assert trees == [info.id]  # decoded from storage instead
     finally:
         rt.close()
 

@@ -50,8 +50,8 @@ def test_a_load_remembered_is_served_from_the_kept_chunks_in_order() -> None:
     loaded, decoded = LoadedChunks(), kept_all()
     assert loaded.kept(7, TENSORS, decoded) is None  # nothing remembered yet
     loaded.remember(7, TENSORS, CHUNKS)
-    pieces = loaded.kept(7, TENSORS, decoded)
-    assert pieces is not None and [bytes(p) for p in pieces] == DATA
+    assert loaded.kept(7, TENSORS, decoded) == CHUNKS
+    assert [bytes(decoded.get(c) or b"") for c in CHUNKS] == DATA
     assert loaded.kept(8, TENSORS, decoded) is None  # another checkpoint
 
 
@@ -61,6 +61,9 @@ def test_other_tensors_or_checksums_are_not_served() -> None:
     assert loaded.kept(7, TENSORS[:1], decoded) is None  # a prefix of it
     rewritten = [TENSORS[0], tensor(1, os.urandom(300))]  # a tensor re-encoded lossy
     assert loaded.kept(7, rewritten, decoded) is None
+    loaded.remember(7, TENSORS[:1], CHUNKS[:1])  # the prefix too: both are kept
+    assert loaded.kept(7, TENSORS[:1], decoded) == CHUNKS[:1]
+    assert loaded.kept(7, TENSORS, decoded) == CHUNKS
 
 
 def test_a_chunk_no_longer_kept_or_kept_with_other_bytes_is_not_served() -> None:
@@ -69,8 +72,11 @@ def test_a_chunk_no_longer_kept_or_kept_with_other_bytes_is_not_served() -> None
     decoded = DecodedChunks(1 << 20)
     decoded.put(CHUNKS[0], DATA[0])  # the second was evicted
     assert loaded.kept(7, TENSORS, decoded) is None
-    decoded.put(chunk(1, os.urandom(300)), os.urandom(300))  # its id, another chunk's bytes
+    other = os.urandom(300)
+    decoded.put(chunk(1, other), other)  # its id, another chunk's bytes (an id reused)
     assert loaded.kept(7, TENSORS, decoded) is None
+    # looking left the entries as they were: the other chunk's bytes are still kept
+    assert bytes(decoded.get(chunk(1, other)) or b"") == other
 
 
 def test_the_entries_are_bounded_the_least_recently_remembered_out_first() -> None:
@@ -78,5 +84,5 @@ def test_the_entries_are_bounded_the_least_recently_remembered_out_first() -> No
     for checkpoint_id in (1, 2, 3):
         loaded.remember(checkpoint_id, TENSORS, CHUNKS)
     assert loaded.kept(1, TENSORS, decoded) is None
-    assert loaded.kept(2, TENSORS, decoded) is not None
-    assert loaded.kept(3, TENSORS, decoded) is not None
+    assert loaded.kept(2, TENSORS, decoded) == CHUNKS
+    assert loaded.kept(3, TENSORS, decoded) == CHUNKS

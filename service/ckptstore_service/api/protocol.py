@@ -29,9 +29,10 @@ each read into a new ``bytes``, holding the GIL. :class:`BodyPiecesProtocol` is 
 ``asyncio.BufferedProtocol`` around uvicorn's (uvloop reads into a protocol's own buffers
 only for one that is no ``asyncio.Protocol``): such a body is read into 1 MiB buffers and
 its pieces are read-only memoryviews of them, up to 1 MiB each (anything else is read as
-uvloop would and copied out). On 9 saves of bench/'s fine-tune checkpoints through HTTP the
-event loop's CPU went from 0.53 to 0.40 s and the service's from 4.12 to 3.87 s
-(``bench/ab_saves.py``, medians of six passes).
+uvloop would and copied out). The buffers are sealed (``handoff.SealedBuffer``: never
+written again once read), so a direct save's frames go on to the blob writer uncopied. On 9
+saves of bench/'s fine-tune checkpoints through HTTP the event loop's CPU went from 0.53 to
+0.40 s and the service's from 4.12 to 3.87 s (``bench/ab_saves.py``, medians of six passes).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import numpy as np
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from ckptstore_core.codec import Buffer
+from ckptstore_service.handoff import SealedBuffer
 
 __all__ = ["PIECES", "BodyPieces", "BodyPiecesProtocol", "Received", "receive_pieces"]
 
@@ -123,7 +125,8 @@ class BodyPiecesProtocol(asyncio.BufferedProtocol):
         else:
             room = self._room
             if room is None or len(room) < min(left, _MIN_READ):
-                room = self._room = np.empty(min(left, READ_BYTES), np.uint8).data
+                size = min(left, READ_BYTES)
+                room = self._room = np.empty(size, np.uint8).view(SealedBuffer).data
             self._reading = room[:left]
         return self._reading
 
@@ -134,6 +137,9 @@ class BodyPiecesProtocol(asyncio.BufferedProtocol):
         piece = self._reading[:nbytes].toreadonly()
         self._room = self._room[nbytes:]
         self.http.data_received(piece)
+        if not self.http.body_left:  # the body's end: an idle connection holds no buffer
+            self._room = None
+            self._reading = _HEAD.view
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.http.connection_made(transport)  # type: ignore[arg-type]

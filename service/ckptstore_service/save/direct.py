@@ -45,6 +45,7 @@ from ckptstore_core.records import LOSSY_KEY
 from ckptstore_core.wire import Header
 from ckptstore_service.catalog import Catalog, Lease, PartRecord
 from ckptstore_service.catalog.models import CLIENT
+from ckptstore_service.handoff import SealedBuffer
 from ckptstore_service.metrics import Metrics
 from ckptstore_service.names import blob_key, check_part_name, parse_blob_key
 from ckptstore_service.save.header import body_parser, check_metadata, header_of
@@ -324,10 +325,10 @@ def _check_same(header: Header, tail: Tail, stored: Sequence[TensorInfo], what: 
 
 
 def _copy(p: FramePiece) -> FramePiece:
-    """``p`` with bytes of its own, unless it views an immutable ``bytes`` (what the app's
-    body pieces are: the view keeps them alive): a buffer the body's producer may reuse
-    must not reach the blob writer's queue."""
-    if isinstance(p.data.obj, bytes):
+    """``p`` with bytes of its own, unless it views an immutable ``bytes`` or a body buffer
+    the server never writes again (what the app's body pieces are: the view keeps them
+    alive): a buffer the body's producer may reuse must not reach the blob writer's queue."""
+    if isinstance(p.data.obj, (bytes, SealedBuffer)):
         return p
     return FramePiece(p.index, memoryview(bytes(p.data)), p.last)
 
