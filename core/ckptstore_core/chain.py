@@ -141,11 +141,7 @@ class DecodedChunks:
         """Whether every one of ``chunks`` is kept, with its checksum and length; looks only
         (no entry moves or goes)."""
         with self._lock:
-            for c in chunks:
-                entry = self._entries.get(c.id)
-                if entry is None or entry[0] != c.checksum or len(entry[1]) != c.raw_len:
-                    return False
-        return True
+            return all(_matches(self._entries.get(c.id), c) for c in chunks)
 
     def clear(self) -> None:
         with self._lock:
@@ -156,7 +152,7 @@ class DecodedChunks:
         entry = self._entries.get(c.id)
         if entry is None:
             return None
-        if entry[0] != c.checksum or len(entry[1]) != c.raw_len:
+        if not _matches(entry, c):
             self._drop(c.id)
             return None
         self._entries.move_to_end(c.id)
@@ -165,6 +161,12 @@ class DecodedChunks:
     def _drop(self, chunk_id: int) -> None:
         _, view = self._entries.pop(chunk_id)
         self._bytes -= len(view)
+
+
+def _matches(entry: tuple[bytes, memoryview] | None, c: ChunkInfo) -> bool:
+    """Whether a kept entry holds ``c``'s bytes: its checksum and length (an id reused or
+    re-encoded does not)."""
+    return entry is not None and entry[0] == c.checksum and len(entry[1]) == c.raw_len
 
 
 class ChainDecoder:

@@ -181,15 +181,16 @@ class _PiecesHttp(HttpToolsProtocol):
             super().data_received(bytes(data))  # bytes: what the event loop read outside a body
             return
         # in the body: the parser has seen the headers and counts the body's bytes down;
-        # they are passed on as they came, and the parser replaced at the body's end
+        # they are passed on as they came, and the parser replaced at the body's end (a read
+        # in the body is offered no more than what is left of it: the next request's bytes
+        # come in a read of their own, BodyPiecesProtocol.get_buffer)
+        assert len(data) <= left
         self._unset_keepalive_if_required()
-        self.on_body(data if len(data) <= left else data[:left])
+        self.on_body(data)
         if self.body_left:
             return
         self.parser = _fresh_parser(self)
         self.on_message_complete()
-        if len(data) > left:  # the next request (pipelined)
-            super().data_received(bytes(data[left:]))
 
     def on_body(self, body: Buffer) -> None:
         self.body_left = max(0, self.body_left - len(body))
